@@ -1,0 +1,3 @@
+from fastmtp_sglang.cli import main
+
+raise SystemExit(main())
