@@ -1,0 +1,369 @@
+"""Sampling parameters, logits -> probabilities, and lossless speculative verification.
+
+Terms used throughout (one verification cycle of K drafted tokens):
+
+- **accepted** tokens: the leading drafts the target agrees with. Greedy: the draft equals the
+  target's argmax. Sampling: draft ``d`` at step k is kept with probability
+  ``min(1, p_k(d) / q_k(d))`` (``p`` the target's distribution, ``q`` the draft's).
+- **recovered** token: emitted at the first rejected step k, drawn from
+  ``normalise(max(p_k - q_k, 0))`` over the *full* vocabulary (greedy: the target's argmax).
+  This residual is what makes the output distribution exactly ``p`` whatever ``q`` is, including
+  a ``q`` that is zero outside a compressed vocabulary (DESIGN.md section 2).
+- **bonus** token: emitted when all K drafts are accepted, drawn from the target's distribution
+  at position K+1, which the verification pass computed anyway.
+
+So every cycle emits ``num_accepted + 1`` tokens: the accepted drafts, then one recovered or
+bonus token. ``emitted`` rows are padded with -1 after that.
+
+Everything here is pure torch, batch-vectorised, and runs on CPU and GPU. Nothing synchronises
+with the device except what torch itself does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "logits_to_probs",
+    "sample",
+    "verify_greedy",
+    "verify_sampling",
+]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Parameters
+    ----------
+    temperature : float
+        0 = greedy (argmax). Note SGLang's own default is 1.0; ours is greedy.
+    top_p : float
+        Nucleus mass in (0, 1]; 1 = disabled.
+    top_k : int
+        Keep the k most likely tokens; -1 = disabled.
+    max_new_tokens : int
+        Upper bound on generated tokens, >= 1.
+    stop : list of str
+        Stop strings (non-empty).
+    stop_token_ids : list of int
+        Extra token ids that end generation (besides EOS).
+    ignore_eos : bool
+        Keep generating past EOS.
+    seed : int or None
+        Seed for this request's ``torch.Generator``; None = nondeterministic.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be an int >= 1, or -1 to disable, got {self.top_k!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0, or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from SGLang's ``sampling_params`` JSON object.
+
+        Accepts ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop`` (a string or
+        a list of strings), ``stop_token_ids``, ``ignore_eos`` and ``seed`` (or SGLang's name,
+        ``sampling_seed``). A JSON null means "use the default".
+
+        Raises
+        ------
+        ValueError
+            On an unknown key or a value of the wrong type or range; the message names the key.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - {"sampling_seed"})
+        if unknown:
+            raise ValueError(
+                f"unknown sampling_params key(s) {unknown}; supported: {sorted(known)} "
+                "(and 'sampling_seed' as an alias of 'seed')"
+            )
+        kwargs = {k: v for k, v in d.items() if v is not None}
+        if "sampling_seed" in kwargs:
+            alias = kwargs.pop("sampling_seed")
+            if "seed" in kwargs and kwargs["seed"] != alias:
+                raise ValueError(
+                    f"sampling_params gives both seed={kwargs['seed']!r} and "
+                    f"sampling_seed={alias!r}; give one"
+                )
+            kwargs["seed"] = alias
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        # Check each key alone, so the message names the offending key even when __post_init__
+        # would have phrased it differently.
+        for key, value in kwargs.items():
+            try:
+                cls(**{key: value})
+            except ValueError as e:
+                raise ValueError(f"sampling_params[{key!r}]: {e}") from None
+        return cls(**kwargs)
+
+
+def _per_row(x: torch.Tensor | float | int, n: int, name: str, device, dtype) -> torch.Tensor:
+    """A per-row parameter as a tensor of shape [n]; a Python scalar is broadcast."""
+    t = torch.as_tensor(x, device=device, dtype=dtype)
+    if t.ndim == 0:
+        return t.expand(n)
+    if t.shape != (n,):
+        raise ValueError(f"{name} must have shape [{n}] (one value per row), got {tuple(t.shape)}")
+    return t
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor | float,  # [N] float, 0 = greedy
+    top_p: torch.Tensor | float,  # [N] float in (0, 1]
+    top_k: torch.Tensor | int,  # [N] int64, -1 = disabled
+) -> torch.Tensor:
+    """Turn logits into the distribution a request samples from.
+
+    Greedy rows (temperature 0) get a one-hot at the argmax, so greedy is just another
+    distribution and one verifier serves mixed batches. Other rows: ``softmax(logits / T)``, then
+    top-k, then top-p on what top-k kept, then renormalise. Logits of ``-inf`` (a compressed-vocab
+    draft's non-support) get probability exactly 0. Values are not range-checked here (that would
+    synchronise with the device); ``SamplingParams`` checks them.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Shape [N, V], any float dtype. Each row needs at least one finite logit.
+    temperature, top_p, top_k : torch.Tensor or scalar
+        Shape [N] each, or a scalar used for every row.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape [N, V], float32, rows sum to 1.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    n, v = logits.shape
+    dev = logits.device
+    temperature = _per_row(temperature, n, "temperature", dev, torch.float32)
+    top_p = _per_row(top_p, n, "top_p", dev, torch.float32)
+    top_k = _per_row(top_k, n, "top_k", dev, torch.int64)
+    logits = logits.float()
+
+    greedy = temperature <= 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits / safe_t[:, None], dim=-1)
+
+    # One sort serves both filters. Ranks are positions in the sorted order, so top-k keeps
+    # exactly k tokens even among ties.
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(v, device=dev)
+    k = torch.where(top_k > 0, top_k, v)
+    keep_sorted = rank[None, :] < k[:, None]
+    sorted_p = sorted_p * keep_sorted
+    # Nucleus: keep token i iff the mass strictly before it is < top_p; this is the smallest
+    # prefix whose mass reaches top_p and always keeps the first token. The exclusive cumsum is
+    # built by shifting, not by subtracting, to avoid rounding; top_p == 1 skips the test so
+    # float32 rounding of a 150K-long cumsum cannot drop tail tokens.
+    cum = sorted_p.cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    total = cum[:, -1:]
+    in_nucleus = (before < top_p[:, None] * total) | (top_p[:, None] >= 1)
+    keep_sorted &= in_nucleus
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    probs = torch.where(keep, probs, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample(
+    probs: torch.Tensor,  # [N, V]
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        Shape [N, V], non-negative, each row with positive mass (need not sum to 1).
+    generator : torch.Generator, optional
+        On ``probs``' device; the same seed gives the same tokens.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape [N], int64. A zero-probability token is never returned.
+    """
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be [N, V], got shape {tuple(probs.shape)}")
+    # For one sample, torch.multinomial is the exponential race argmax(p / Exp(1)) in ATen: no
+    # host sync, and p == 0 gives 0 / E = 0, which never wins against a positive entry.
+    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)
+
+
+def _check_verify_shapes(draft_ids: torch.Tensor, target: torch.Tensor, name: str) -> None:
+    if draft_ids.ndim != 2:
+        raise ValueError(f"draft_ids must be [B, K], got shape {tuple(draft_ids.shape)}")
+    b, k = draft_ids.shape
+    if target.ndim != 3 or target.shape[:2] != (b, k + 1):
+        raise ValueError(
+            f"{name} must be [B, K+1, V] = [{b}, {k + 1}, V] for draft_ids of shape [{b}, {k}], "
+            f"got {tuple(target.shape)}"
+        )
+
+
+def _emit(
+    draft_ids: torch.Tensor,  # [B, K]
+    num_accepted: torch.Tensor,  # [B]
+    last: torch.Tensor,  # [B], the recovered or bonus token
+) -> torch.Tensor:
+    """Rows of accepted drafts, then ``last``, then -1 padding. Shape [B, K+1]."""
+    b, k = draft_ids.shape
+    pos = torch.arange(k + 1, device=draft_ids.device)[None, :]
+    n = num_accepted[:, None]
+    drafts = torch.cat([draft_ids, draft_ids.new_zeros(b, 1)], dim=1).long()
+    out = torch.where(pos == n, last[:, None], drafts)
+    return torch.where(pos <= n, out, -1)
+
+
+def _num_accepted(accept: torch.Tensor) -> torch.Tensor:  # [B, K] bool -> [B] int64
+    """Length of the leading run of accepted steps."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(
+    draft_ids: torch.Tensor,  # [B, K]
+    target_logits: torch.Tensor,  # [B, K+1, V]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    Parameters
+    ----------
+    draft_ids : torch.Tensor
+        Shape [B, K], the drafted tokens. K may be 0 (plain decoding).
+    target_logits : torch.Tensor
+        Shape [B, K+1, V]; position k scores the token after draft k-1 (position 0: after the
+        last verified token).
+
+    Returns
+    -------
+    num_accepted : torch.Tensor
+        Shape [B], int64 in [0, K].
+    emitted : torch.Tensor
+        Shape [B, K+1], int64: the accepted drafts, then the target's argmax at the first
+        rejected position (the recovered token) or at position K (the bonus token), then -1.
+    """
+    _check_verify_shapes(draft_ids, target_logits, "target_logits")
+    k = draft_ids.shape[1]
+    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    num_accepted = _num_accepted(draft_ids == argmax[:, :k])
+    # Accepted drafts equal the argmax, so the emitted prefix is the argmax itself.
+    pos = torch.arange(k + 1, device=argmax.device)[None, :]
+    emitted = torch.where(pos <= num_accepted[:, None], argmax, -1)
+    return num_accepted, emitted
+
+
+def verify_sampling(
+    draft_ids: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling: the emitted tokens are distributed exactly as ``p``.
+
+    Parameters
+    ----------
+    draft_ids : torch.Tensor
+        Shape [B, K], draft k sampled from ``draft_probs[:, k]``. K may be 0.
+    draft_probs : torch.Tensor
+        Shape [B, K, V], the draft's distributions q. May be zero outside a compressed
+        vocabulary; the residual below covers the rest of the vocabulary.
+    target_probs : torch.Tensor
+        Shape [B, K+1, V], the target's distributions p (``logits_to_probs`` output). Greedy rows
+        are one-hot, and then this is exactly ``verify_greedy`` whatever q is.
+    generator : torch.Generator, optional
+        On the tensors' device, for reproducible draws.
+
+    Returns
+    -------
+    num_accepted : torch.Tensor
+        Shape [B], int64 in [0, K].
+    emitted : torch.Tensor
+        Shape [B, K+1], int64: accepted drafts, then the recovered or bonus token, then -1.
+    """
+    _check_verify_shapes(draft_ids, target_probs, "target_probs")
+    b, k = draft_ids.shape
+    if draft_probs.shape != (b, k, target_probs.shape[-1]):
+        raise ValueError(
+            f"draft_probs must be [B, K, V] = [{b}, {k}, {target_probs.shape[-1]}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    dev = target_probs.device
+    ids = draft_ids.long()[..., None]
+    p_d = target_probs[:, :k].gather(-1, ids).squeeze(-1).float()  # [B, K]
+    q_d = draft_probs.gather(-1, ids).squeeze(-1).float()  # [B, K]
+    u = torch.rand(b, k, device=dev, generator=generator)
+    # Accept with probability min(1, p/q), written without a division: u in [0, 1), so q <= p
+    # always accepts, and p == 0 never does (also when q == 0).
+    num_accepted = _num_accepted(u * q_d < p_d)
+
+    rows = torch.arange(b, device=dev)
+    p_n = target_probs[rows, num_accepted].float()  # [B, V]
+    if k > 0:
+        # Rows with every draft accepted use q = 0 here, which makes the residual p: the bonus.
+        q_n = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
+        q_n = q_n * (num_accepted < k)[:, None]
+    else:
+        q_n = torch.zeros_like(p_n)
+    residual = (p_n - q_n).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # mass == 0 means p <= q everywhere, i.e. p == q: a rejection there only comes from
+    # rounding, and p itself is the right distribution to draw from.
+    residual = torch.where(mass > 0, residual, p_n)
+    last = sample(residual, generator=generator)
+    return num_accepted, _emit(draft_ids, num_accepted, last)
