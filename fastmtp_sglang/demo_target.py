@@ -168,6 +168,7 @@ def materialize_smollm2(
         marker = dict(fingerprint, transformers=_transformers_version(),
                       created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _make_shareable(tmp)
         _commit(tmp, out, fingerprint)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful commit
@@ -177,7 +178,13 @@ def materialize_smollm2(
 
 def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, log, progress: bool) -> None:
     """Write config, weights, generation config and tokenizer for the GGUF into `out`, verified."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     t0 = time.perf_counter()
     log("  tokenizer: reading from the GGUF")
@@ -185,6 +192,7 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, log, progress: bool
     if not tokenizer.chat_template:
         log("  tokenizer: the GGUF has no chat template; using SmolLM2-Instruct's ChatML one")
         tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    tokenizer.model_max_length = 8192  # the release's context; the GGUF path leaves it unbounded
     tokenizer.save_pretrained(out)
 
     log("  model: dequantising the GGUF (about 20 s)")
@@ -209,7 +217,11 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, log, progress: bool
         f"vocab {config.vocab_size}, tied embeddings {config.tie_word_embeddings}")
     model = LlamaForCausalLM(config)  # fp32
     model.load_state_dict(source.state_dict(), strict=True)
-    model.generation_config = source.generation_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
     model.eval()
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -247,18 +259,27 @@ def _verify(out: Path, messages: list[dict], ids: torch.Tensor, want: torch.Tens
     tokenizer = AutoTokenizer.from_pretrained(out)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not torch.equal(tokenizer(text, return_tensors="pt").input_ids, ids):
-        raise RuntimeError("the saved tokenizer renders or encodes the check prompt differently "
+        raise _ConversionCheckFailed("the saved tokenizer renders or encodes the check prompt differently "
                            "from the GGUF's")
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     got = reloaded(ids).logits  # [1, seq, vocab]
     if not torch.allclose(got, want, atol=1e-4, rtol=0):
         diff = (got - want).abs().max().item()
-        raise RuntimeError(f"reloaded model's logits differ from the converted model's by {diff}")
+        raise _ConversionCheckFailed(f"reloaded model's logits differ from the converted model's by {diff}")
     # Rounding weights to bf16 moves logits by ~0.1; a wrong weight layout moves them by far more.
     agree = (gguf_logits.argmax(-1) == got.argmax(-1)).float().mean().item()
     if agree < 0.9:
-        raise RuntimeError(f"saved model agrees with the GGUF on only {agree:.0%} of greedy tokens")
+        raise _ConversionCheckFailed(f"saved model agrees with the GGUF on only {agree:.0%} of greedy tokens")
+
+
+class _ConversionCheckFailed(FastMTPError):
+    def __init__(self, what: str):
+        super().__init__(
+            f"materialising the demo target failed its self-check: {what}. Nothing was written. "
+            f"This transformers ({_transformers_version()}) may convert GGUFs differently from "
+            f"the checked 5.19/5.24; try one of those, or report it."
+        )
 
 
 def _commit(tmp: Path, out: Path, fingerprint: dict) -> None:
@@ -276,6 +297,15 @@ def _commit(tmp: Path, out: Path, fingerprint: dict) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _make_shareable(path: Path) -> None:
+    """mkdtemp makes 0700 and safetensors 0600; give the cache the umask's usual modes instead."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    for child in path.iterdir():
+        child.chmod(0o666 & ~umask)
 
 
 def _is_complete(out: Path, fingerprint: dict) -> bool:

@@ -1,0 +1,91 @@
+"""Acceptance metrics, defined once (DESIGN.md section 2).
+
+- A cycle is one target verification; it emits ``accepted + 1`` tokens.
+- tau (acceptance length) = emitted tokens / cycles (SGLang: ``spec_accept_length``).
+- A_k (cumulative) = fraction of cycles whose first k drafts were all accepted; tau = 1 + sum A_k.
+- a_k (conditional) = A_k / A_{k-1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+
+@dataclass
+class CycleLog:
+    accepted: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
+class RequestMetrics:
+    prompt_tokens: int = 0
+    steps: int = 0
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_memory_bytes: int = 0
+    cycles: list[CycleLog] = field(default_factory=list)
+
+    @property
+    def verify_ct(self) -> int:
+        return len(self.cycles)
+
+    def summary(self) -> dict[str, Any]:
+        s = summarize_cycles([c.accepted for c in self.cycles], self.steps)
+        decode_tokens = max(self.completion_tokens - 1, 0)  # the first token comes from prefill
+        s.update(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            decode_tokens_per_s=decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
+            draft_s=sum(c.draft_s for c in self.cycles),
+            verify_s=sum(c.verify_s for c in self.cycles),
+            peak_memory_bytes=self.peak_memory_bytes,
+        )
+        return s
+
+
+def summarize_cycles(accepted: Iterable[int], steps: int) -> dict[str, Any]:
+    """tau, A_k, a_k and the histogram of accepted counts from per-cycle accepted counts."""
+    acc = list(accepted)
+    n = len(acc)
+    hist = [0] * (steps + 1)
+    for a in acc:
+        hist[min(a, steps)] += 1
+    A = [sum(1 for a in acc if a >= k) / n if n else 0.0 for k in range(1, steps + 1)]
+    a_cond = []
+    prev = 1.0
+    for v in A:
+        a_cond.append(v / prev if prev > 0 else 0.0)
+        prev = v
+    return {
+        "cycles": n,
+        "emitted": sum(acc) + n,
+        "tau": (sum(acc) + n) / n if n else 0.0,
+        "A_k": A,
+        "a_k": a_cond,
+        "accept_hist": hist,
+    }
+
+
+def aggregate(metrics: list[RequestMetrics]) -> dict[str, Any]:
+    """Pool cycles over requests (tau over all cycles), sum tokens and times."""
+    steps = max((m.steps for m in metrics), default=0)
+    s = summarize_cycles([c.accepted for m in metrics for c in m.cycles], steps)
+    decode_tokens = sum(max(m.completion_tokens - 1, 0) for m in metrics)
+    decode_s = sum(m.decode_s for m in metrics)
+    s.update(
+        requests=len(metrics),
+        completion_tokens=sum(m.completion_tokens for m in metrics),
+        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else 0.0,
+        prefill_s=sum(m.prefill_s for m in metrics),
+        decode_s=decode_s,
+        draft_s=sum(c.draft_s for m in metrics for c in m.cycles),
+        verify_s=sum(c.verify_s for m in metrics for c in m.cycles),
+        peak_memory_bytes=max((m.peak_memory_bytes for m in metrics), default=0),
+    )
+    return s
