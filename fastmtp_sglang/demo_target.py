@@ -161,6 +161,7 @@ def materialize_smollm2(
             f"cannot create the cache directory {root} ({exc}); set ${CACHE_ENV} to a writable "
             f"directory"
         ) from exc
+    _remove_stale_temporaries(root, out.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=root))
     try:
         with _progress_bars(progress):
@@ -283,7 +284,13 @@ class _ConversionCheckFailed(FastMTPError):
 
 
 def _commit(tmp: Path, out: Path, fingerprint: dict) -> None:
-    """Rename the finished `tmp` to `out`; whatever stood at `out` before is removed after."""
+    """Rename the finished `tmp` to `out`; whatever stood at `out` before is removed after.
+
+    If another process completed `out` for the same source meanwhile, keep theirs (the caller
+    removes `tmp`).
+    """
+    if _is_complete(out, fingerprint):
+        return
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -297,6 +304,18 @@ def _commit(tmp: Path, out: Path, fingerprint: dict) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_temporaries(root: Path, name: str, max_age_s: float = 3600.0) -> None:
+    """Remove what killed runs left behind (a live build touches its temporary within seconds)."""
+    now = time.time()
+    for kind in ("tmp", "old"):
+        for path in root.glob(f".{name}.{kind}-*"):
+            try:
+                if now - path.stat().st_mtime > max_age_s:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass  # another process removed it first
 
 
 def _make_shareable(path: Path) -> None:

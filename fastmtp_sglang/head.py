@@ -320,6 +320,9 @@ class FastMTPHead(nn.Module):
             return self.projection(hidden)
         if self.lm_head is None:
             raise RuntimeError("FastMTPHead has no lm_head: call set_embed_and_head first")
+        w = getattr(self.lm_head, "weight", None)
+        if w is not None and w.dtype != hidden.dtype:  # e.g. a bf16 head on an fp32 target
+            hidden = hidden.to(w.dtype)
         return self.lm_head(hidden)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -3,13 +3,15 @@
 | format          | fields                                   | id            | category            | text           |
 |-----------------|------------------------------------------|---------------|---------------------|----------------|
 | Spec-Bench      | `question_id`, `category`, `turns`       | `question_id` | `category`          | `turns[0]`     |
-| C-Eval          | `id`, `question`, `category`, `answer`   | `id`          | `category`          | `question`     |
+| C-Eval          | `id`, `question`, `category`, `answer`   | `category-id` | `category`          | `question`     |
 | training prompt | `id`, `source`, `prompt`                 | `id`          | `category`/`source` | `prompt`       |
 | generic         | `prompt` or `text` (+ `id`, `category`)  | `id` or line  | `category` or stem  | prompt or text |
 
 Spec-Bench rows are multi-turn; only the first turn is used (the benchmark measures a single
-assistant reply per prompt). A generic row without `id` gets `<file stem>:<line>`; without
-`category` it gets the file's stem. Blank lines are skipped.
+assistant reply per prompt). C-Eval's `id` numbers questions within a subject (three repeat in
+our 51 rows), so the prompt id is `<category>-<id>`, e.g. `accountant-327`. A generic row without
+`id` gets `<file stem>:<line>`; without `category` it gets the file's stem. Ids must be unique
+within a file. Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ def parse_prompt_row(row: object, *, default_id: str, default_category: str) -> 
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise ValueError("Spec-Bench row: 'turns' must be a non-empty list of strings")
         return _prompt(row, "question_id", turns[0], default_id, _required(row, "category"))
-    if "question" in row:  # C-Eval
-        return _prompt(row, "id", row["question"], default_id, _required(row, "category"))
+    if "question" in row:  # C-Eval: ids count within a subject, so prefix the subject
+        category = _required(row, "category")
+        prompt = _prompt(row, "id", row["question"], default_id, category)
+        return Prompt(id=f"{category}-{prompt.id}", category=prompt.category, text=prompt.text)
     if "prompt" in row:  # training prompt, or generic
         category = row.get("category", row.get("source", default_category))
         return _prompt(row, "id", row["prompt"], default_id, category)

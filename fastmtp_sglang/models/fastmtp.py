@@ -1,0 +1,435 @@
+"""FastMTPForCausalLM: a FastMTP draft head served by SGLang's EAGLE worker.
+
+One draft step (DESIGN.md section 2), on SGLang's own layers::
+
+    e      = embed(x_{i+1})                       # the target's embedding, shared
+    x      = proj(hnorm(h_i), enorm(e))           # layout mimo / deepseek / split
+    x      = block(x)                             # one dense Llama / Qwen2 decoder layer
+    g_i    = final_norm(x)                        # stored by the LogitsProcessor, fed back
+    logits = lm_head(g_i)                         # the target's lm_head, shared
+
+The previous hidden state ``h_i`` arrives in ``forward_batch.spec_info.hidden_states`` (the
+target's post-norm hidden state at draft extend, this head's own ``g`` at the recursive steps
+of ``EagleDraftWorker.draft_forward``), so the stock worker runs one head K times
+(``--speculative-eagle-topk 1``). The forward has no host syncs and no data-dependent shapes,
+so it is CUDA-graph capturable.
+
+Registration: ``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` (this module's
+``EntryClass``), or the ``sglang.srt.plugins`` entry point :func:`register_with_sglang`.
+
+Weights come from a draft directory (DESIGN.md section 4): exactly the tensors of
+``fastmtp_sglang.head.FastMTPHead.state_dict()``; embedding and lm_head come from the target
+through :meth:`FastMTPForCausalLM.set_embed_and_head`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.quantization.base_config import QuantizationConfig
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.platforms import current_platform
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
+
+from fastmtp_sglang.errors import DraftFormatError
+from fastmtp_sglang.head import FastMTPHead, HeadConfig
+
+
+def head_config_of(config: PretrainedConfig) -> HeadConfig:
+    """The pure-torch head's config for an SGLang-loaded draft config (layout, block, biases)."""
+    return HeadConfig.from_dict(config.to_dict())
+
+
+def draft_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a draft directory holds for ``cfg``.
+
+    Taken from ``FastMTPHead`` built on the meta device (no memory, no init), so the pure-torch
+    head stays the one definition of the on-disk names.
+    """
+    with torch.device("meta"):
+        head = FastMTPHead(cfg)
+    return {name: tuple(t.shape) for name, t in head.state_dict().items()}
+
+
+class FastMTPAttention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        cfg: HeadConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        tp_size = get_parallel().tp_size
+        self.total_num_heads = cfg.num_attention_heads
+        self.total_num_kv_heads = cfg.num_key_value_heads
+        if self.total_num_heads % tp_size:
+            raise ValueError(f"num_attention_heads={self.total_num_heads} not divisible by tp_size={tp_size}")
+        if self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads:
+            raise ValueError(f"num_key_value_heads={self.total_num_kv_heads} and tp_size={tp_size} do not divide")
+        self.num_heads = self.total_num_heads // tp_size
+        # fewer KV heads than ranks: each rank keeps a replica of one
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=cfg.qkv_bias,
+            quant_config=quant_config,
+            prefix=add_prefix("qkv_proj", prefix),
+        )
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim,
+            cfg.hidden_size,
+            bias=cfg.o_bias,
+            quant_config=quant_config,
+            prefix=add_prefix("o_proj", prefix),
+        )
+
+        rope_theta, rope_scaling = get_rope_config(config)
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)  # get_rope keys its cache on it; never mutate the config's
+            if getattr(config, "original_max_position_embeddings", None):
+                rope_scaling.setdefault(
+                    "original_max_position_embeddings", config.original_max_position_embeddings
+                )
+        partial = getattr(config, "partial_rotary_factor", None) or 1.0
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            rotary_dim=int(self.head_dim * partial),
+            max_position=cfg.max_position_embeddings,
+            base=rope_theta,
+            rope_scaling=rope_scaling,
+            is_neox_style=True,
+        )
+        # layer_id 0: the draft owns a one-layer KV pool (num_nextn_predict_layers = 1)
+        self.attn = RadixAttention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            layer_id=0,
+            quant_config=quant_config,
+            prefix=add_prefix("attn", prefix),
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden_states: torch.Tensor,  # [T, H]
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v, forward_batch)
+        output, _ = self.o_proj(attn_output)
+        return output
+
+
+class FastMTPMLP(nn.Module):
+    def __init__(
+        self,
+        cfg: HeadConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise DraftFormatError(
+                f"hidden_act={cfg.hidden_act!r}: the SGLang draft class supports silu only"
+            )
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            bias=cfg.mlp_bias,
+            quant_config=quant_config,
+            prefix=add_prefix("gate_up_proj", prefix),
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            bias=cfg.mlp_bias,
+            quant_config=quant_config,
+            prefix=add_prefix("down_proj", prefix),
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate_up, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up))
+        return x
+
+
+class FastMTPDecoderLayer(nn.Module):
+    """One dense pre-norm block; it completes its own residual sums (one layer, no stages)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        cfg: HeadConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = FastMTPAttention(
+            config, cfg, quant_config, prefix=add_prefix("self_attn", prefix)
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = FastMTPMLP(cfg, quant_config, prefix=add_prefix("mlp", prefix))
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden_states: torch.Tensor,  # [T, H]
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            positions, self.input_layernorm(hidden_states), forward_batch
+        )
+        # fused: residual <- residual + attn_out, hidden <- norm(residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return residual + self.mlp(hidden_states)
+
+
+class FastMTPModel(nn.Module):
+    """Input fusion + block + final norm; returns the hidden state the worker feeds back."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        cfg: HeadConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.layout = cfg.layout
+        # placeholder until set_embed_and_head binds the target's (same vocab-parallel layout)
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size,
+            h,
+            use_attn_tp_group=is_dp_attention_enabled(),
+            prefix=add_prefix("embed_tokens", prefix),
+        )
+        self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps)
+        # 2H -> H is small next to the block: replicated on every rank, no collective
+        if cfg.layout == "mimo":  # input_proj(cat[hnorm(h), enorm(e)])
+            self.input_proj = ReplicatedLinear(2 * h, h, bias=False, prefix=add_prefix("input_proj", prefix))
+        elif cfg.layout == "deepseek":  # eh_proj(cat[enorm(e), hnorm(h)])
+            self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, prefix=add_prefix("eh_proj", prefix))
+        else:  # split: e_proj(enorm(e)) + h_proj(hnorm(h))
+            self.e_proj = ReplicatedLinear(h, h, bias=False, prefix=add_prefix("e_proj", prefix))
+            self.h_proj = ReplicatedLinear(h, h, bias=False, prefix=add_prefix("h_proj", prefix))
+        self.layer = FastMTPDecoderLayer(config, cfg, quant_config, prefix=add_prefix("layer", prefix))
+        self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps)
+
+    def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The layout's input projection. hidden, embeds: [T, H] -> [T, H]."""
+        h, e = self.hnorm(hidden), self.enorm(embeds)
+        if self.layout == "mimo":
+            return self.input_proj(torch.cat([h, e], dim=-1))[0]
+        if self.layout == "deepseek":
+            return self.eh_proj(torch.cat([e, h], dim=-1))[0]
+        return self.e_proj(e)[0] + self.h_proj(h)[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,  # [T, H]
+    ) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        hidden = forward_batch.spec_info.hidden_states  # [T, H] target's or this head's g
+        x = self.fuse(hidden.to(embeds.dtype), embeds)
+        x = self.layer(positions, x, forward_batch)
+        return self.final_norm(x)  # [T, H]
+
+
+class FastMTPForCausalLM(nn.Module):
+    """The SGLang draft model class named in a draft directory's ``architectures``."""
+
+    # checkpoint shard name -> (fused parameter, shard id): the draft directory stores q/k/v and
+    # gate/up separately (FastMTPHead's names); SGLang fuses them for one GEMM each
+    stacked_params_mapping = [
+        # (param_name, shard_name, shard_id)
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.quant_config = quant_config
+        self.head_config = head_config_of(config)
+        self.model = FastMTPModel(
+            config, self.head_config, quant_config, prefix=add_prefix("model", prefix)
+        )
+        # placeholder until set_embed_and_head binds the target's (or a token-map slice of it)
+        self.lm_head = ParallelLMHead(
+            self.head_config.vocab_size,
+            self.head_config.hidden_size,
+            prefix=add_prefix("lm_head", prefix),
+            use_attn_tp_group=get_parallel().enable_dp_lm_head,
+        )
+        self._full_head_rows = self.lm_head.weight.shape[0]  # padded vocab / tp
+        self.logits_processor = LogitsProcessor(config)
+        # Compressed-vocabulary seam (see set_draft_projection); None = full (or token-map) head.
+        self.draft_projection: Optional[nn.Module] = None
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
+        head = self.lm_head if self.draft_projection is None else self.draft_projection
+        return self.logits_processor(input_ids, hidden_states, head, forward_batch)
+
+    # -- the target's embedding and lm_head ----------------------------------------------
+    def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
+    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Bind the target's tensors (never copied).
+
+        ``head`` may be truncated to ``[T, H]`` rows by SGLang's ``--speculative-token-map``:
+        the logits are then ``[N, T]`` and the worker maps their indices back through its
+        ``hot_token_id``; a compressed-vocabulary projection is not combined with that.
+        """
+        del self.model.embed_tokens.weight
+        del self.lm_head.weight
+        self.model.embed_tokens.weight = embed
+        self.lm_head.weight = head
+        current_platform.empty_cache()
+        current_platform.synchronize()
+
+    def set_draft_projection(self, projection: Optional[nn.Module]) -> None:
+        """Install (or remove, with None) the compressed-vocabulary projection.
+
+        The seam of DESIGN.md section 5: ``projection`` is handed to SGLang's
+        ``LogitsProcessor`` in place of ``lm_head``, so it must look like an lm_head to it:
+        a ``weight`` attribute and a ``quant_method`` whose ``apply(layer, hidden [N, H],
+        bias) -> logits [N, V_local]`` returns this rank's full vocabulary-shard width, -inf
+        outside each row's table. Fixed width keeps the worker's argmax, the logits buffer and
+        CUDA graphs as they are; the TP all-gather then assembles the full row.
+        """
+        if projection is not None and self.lm_head.weight.shape[0] != self._full_head_rows:
+            raise ValueError(
+                "a compressed-vocabulary projection cannot be combined with "
+                "--speculative-token-map (the lm_head is already truncated)"
+            )
+        self.draft_projection = projection
+
+    # -- weights --------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a draft directory's tensors, strictly.
+
+        Every name must be one of ``FastMTPHead``'s, with its exact (unsharded) shape, and every
+        one must be present; otherwise a ``DraftFormatError`` lists all the offenders.
+        Returns the names of the parameters loaded.
+        """
+        expected = draft_tensor_shapes(self.head_config)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        misshaped: list[str] = []
+        for name, tensor in weights:
+            shape = expected.get(name)
+            if shape is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != shape:
+                misshaped.append(f"{name}: {tuple(tensor.shape)} (expected {shape})")
+                continue
+            seen.add(name)
+            target = "model." + name
+            for param_name, shard_name, shard_id in self.stacked_params_mapping:
+                if shard_name in target:
+                    fused = target.replace(shard_name, param_name)
+                    param = params[fused]
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(fused)
+                    break
+            else:
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(target)
+        missing = sorted(set(expected) - seen)
+        if unexpected or missing or misshaped:
+            lines = []
+            if missing:
+                lines.append("missing: " + ", ".join(missing))
+            if unexpected:
+                lines.append("unexpected: " + ", ".join(sorted(unexpected)))
+            if misshaped:
+                lines.append("mis-shaped: " + "; ".join(misshaped))
+            raise DraftFormatError(
+                f"draft weights do not match a {self.head_config.layout}/{self.head_config.block} "
+                "FastMTP head (" + " | ".join(lines) + "); re-create the draft directory with "
+                "`fastmtp convert` or `fastmtp init-head`"
+            )
+        shared = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert loaded == set(params) - shared, sorted(set(params) - shared - loaded)
+        return loaded
+
+
+def register_with_sglang() -> None:
+    """``sglang.srt.plugins`` entry point: add FastMTPForCausalLM to SGLang's model registry.
+
+    SGLang runs general plugins in every server process (scheduler included) before a model
+    loads; the environment variable route needs no plugin.
+    """
+    from sglang.srt.models.registry import ModelRegistry
+
+    ModelRegistry.models[FastMTPForCausalLM.__name__] = FastMTPForCausalLM
+
+
+EntryClass = FastMTPForCausalLM
