@@ -11,11 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from fastmtp_sglang.errors import DraftFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def _open_file(f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except SafetensorError as exc:
+        raise DraftFormatError(f"{f} is not a readable safetensors file: {exc}") from None
 
 
 class CheckpointReader:
@@ -51,7 +58,7 @@ class CheckpointReader:
         if files is not None:  # no index: list names from the file headers (cheap)
             self._where = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
+                with _open_file(f) as h:
                     for k in h.keys():
                         self._where[k] = f
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -63,7 +70,7 @@ class CheckpointReader:
     def _open(self, name: str):
         f = self._where[name]
         self.opened.add(f)
-        return safe_open(str(f), framework="pt")
+        return _open_file(f)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._shapes:

@@ -132,10 +132,12 @@ def extract(src: str | Path, fmt: str, mtp_index: int = 0, model_type: str | Non
     names = source_name_map(fmt, prefix)
     unknown = sorted(k for k in under if k not in names and k[len(prefix):] not in _SHARED)
     if unknown:
+        guess = _guess_format(keys, config)  # deepseek and split share a prefix
+        hint = (f" It looks like --format {guess}." if guess and guess != fmt else
+                " (MoE / MLA MTP layers are served by SGLang's in-tree NextN classes, not FastMTP)")
         raise DraftFormatError(
             f"{src}: tensors under {prefix!r} that a dense {fmt} MTP layer does not have: "
-            f"{', '.join(unknown[:12])}{' ...' if len(unknown) > 12 else ''} "
-            "(MoE / MLA MTP layers are served by SGLang's in-tree NextN classes, not FastMTP)")
+            f"{', '.join(unknown[:12])}{' ...' if len(unknown) > 12 else ''}.{hint}")
     sd = {names[k]: reader.get(k) for k in under if k in names}
     layout = fmt
     return config, sd, layout, reader
@@ -172,6 +174,12 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: st
     if fmt == "draft":
         raise FastMTPError(f"{src} is not a draft directory (no config.json with a 'fastmtp' block)")
     target_cfg, sd, src_layout, reader = extract(src, fmt, mtp_index, model_type)
+    # fail before writing (and before moving columns) when the checkpoint's tensors do not fit
+    # its own config; name them as the checkpoint does
+    src_cfg = make_draft_config(target_cfg, src_layout, model_type=model_type)
+    to_src = {v: k for k, v in source_name_map(fmt, source_prefix(fmt, target_cfg, mtp_index)).items()}
+    check_tensors({to_src.get(k, k): s for k, s in expected_shapes(HeadConfig.from_dict(src_cfg)).items()},
+                  {to_src.get(k, k): tuple(v.shape) for k, v in sd.items()}, f"{src} ({fmt} MTP layer)")
     dst = layout or src_layout
     sd = change_layout(sd, src_layout, dst)
     src_dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
@@ -181,9 +189,6 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: st
                             dtype=dtype or src_dtype,
                             extra={"converted_from": {"path": str(src), "format": fmt,
                                                       "mtp_index": mtp_index}})
-    # fail before writing when the checkpoint's tensors do not fit its own config
-    check_tensors(expected_shapes(HeadConfig.from_dict(cfg)),
-                  {k: tuple(v.shape) for k, v in sd.items()}, f"{src} ({fmt} MTP layer)")
     return save_draft_dir(out, cfg, sd, overwrite=overwrite)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from contextlib import contextmanager
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fastmtp_sglang.errors import DraftFormatError, FastMTPError
@@ -173,10 +173,13 @@ def load_draft_dir(path: str | os.PathLike, device: str | torch.device = "cpu",
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise DraftFormatError(f"{path} has no {WEIGHTS_NAME}")
-    with safe_open(str(weights), framework="pt", device=str(device)) as f:
-        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        check_tensors(expected_shapes(head_cfg), got, str(weights))
-        sd = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(weights), framework="pt", device=str(device)) as f:
+            got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            check_tensors(expected_shapes(head_cfg), got, str(weights))
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:
+        raise DraftFormatError(f"{weights} is not a readable safetensors file: {exc}") from None
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return DraftDir(path, cfg, head_cfg, sd)
@@ -232,9 +235,13 @@ def save_draft_dir(out: str | os.PathLike, config: dict[str, Any],
                   "the head's weights")
     dtype = getattr(torch, str(config.get("torch_dtype", "bfloat16")).replace("torch.", ""))
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state_dict.items()}
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "fastmtp": "1"})
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+    try:
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "fastmtp": "1"})
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+    except (OSError, SafetensorError) as exc:  # disk full, ...: atomic_dir removed its temp dir
+        why = getattr(exc, "strerror", None) or exc
+        raise FastMTPError(f"cannot write {out}: {why}; nothing was written") from None
     return Path(out)

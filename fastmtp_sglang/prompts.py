@@ -1,11 +1,11 @@
 """Prompt files: one JSON object per line, the format recognised row by row.
 
-| format          | fields                                   | id            | category            | text           |
-|-----------------|------------------------------------------|---------------|---------------------|----------------|
-| Spec-Bench      | `question_id`, `category`, `turns`       | `question_id` | `category`          | `turns[0]`     |
-| C-Eval          | `id`, `question`, `category`, `answer`   | `category-id` | `category`          | `question`     |
-| training prompt | `id`, `source`, `prompt`                 | `id`          | `category`/`source` | `prompt`       |
-| generic         | `prompt` or `text` (+ `id`, `category`)  | `id` or line  | `category` or stem  | prompt or text |
+| format     | fields                                | id           | category        | text     |
+|------------|---------------------------------------|--------------|-----------------|----------|
+| Spec-Bench | question_id, category, turns          | question_id  | category        | turns[0] |
+| C-Eval     | id, question, category, answer        | category-id  | category        | question |
+| training   | id, source, prompt                    | id           | category/source | prompt   |
+| generic    | prompt or text (+ id, category)       | id/stem:line | category/stem   | the text |
 
 Spec-Bench rows are multi-turn; only the first turn is used (the benchmark measures a single
 assistant reply per prompt). C-Eval's `id` numbers questions within a subject (three repeat in

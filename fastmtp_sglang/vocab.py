@@ -421,6 +421,9 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a shipped table must be readable
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

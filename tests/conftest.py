@@ -455,6 +455,7 @@ def run_cli(capsys):
     from fastmtp_sglang.cli import main
 
     def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # drop what earlier code printed
         try:
             rc = main([str(a) for a in args])
         except SystemExit as exc:  # argparse usage errors

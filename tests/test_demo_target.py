@@ -224,11 +224,14 @@ def test_second_call_reuses_the_cache_quickly(materialised):
 
 
 @pytest.mark.slow
-def test_failure_during_the_real_self_check_leaves_nothing(tmp_path, monkeypatch):
-    def broken_verify(*args, **kwargs):
-        raise FastMTPError("simulated self-check failure")
+def test_failure_after_real_files_were_written_leaves_nothing(tmp_path, monkeypatch):
+    # the real tokenizer files are already in the temporary directory when the model load fails
+    from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(demo_target, "_verify", broken_verify)
-    with pytest.raises(FastMTPError, match="simulated"):
+    def broken(*args, **kwargs):
+        raise OSError("simulated failure while loading the GGUF")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", broken)
+    with pytest.raises(OSError, match="simulated"):
         materialize_smollm2(tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []

@@ -52,26 +52,16 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.platforms import current_platform
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
-from sglang.srt.utils.hf_transformers_utils import get_rope_config
+from sglang.srt.utils.hf_transformers import get_rope_config
 
 from fastmtp_sglang.errors import DraftFormatError
-from fastmtp_sglang.head import FastMTPHead, HeadConfig
+from fastmtp_sglang.draft_dir import check_tensors, expected_shapes
+from fastmtp_sglang.head import HeadConfig
 
 
 def head_config_of(config: PretrainedConfig) -> HeadConfig:
     """The pure-torch head's config for an SGLang-loaded draft config (layout, block, biases)."""
     return HeadConfig.from_dict(config.to_dict())
-
-
-def draft_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a draft directory holds for ``cfg``.
-
-    Taken from ``FastMTPHead`` built on the meta device (no memory, no init), so the pure-torch
-    head stays the one definition of the on-disk names.
-    """
-    with torch.device("meta"):
-        head = FastMTPHead(cfg)
-    return {name: tuple(t.shape) for name, t in head.state_dict().items()}
 
 
 class FastMTPAttention(nn.Module):
@@ -371,25 +361,21 @@ class FastMTPForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> set[str]:
         """Load a draft directory's tensors, strictly.
 
-        Every name must be one of ``FastMTPHead``'s, with its exact (unsharded) shape, and every
-        one must be present; otherwise a ``DraftFormatError`` lists all the offenders.
-        Returns the names of the parameters loaded.
+        The names and (unsharded) shapes must be exactly ``FastMTPHead``'s for this config
+        (``draft_dir.expected_shapes``): one ``DraftFormatError`` names every missing,
+        unexpected and mis-shaped tensor, before anything is copied. Returns the names of the
+        parameters loaded (everything but the target's embedding and lm_head).
         """
-        expected = draft_tensor_shapes(self.head_config)
+        tensors = dict(weights)
+        cfg = self.head_config
+        check_tensors(
+            expected_shapes(cfg),
+            {name: tuple(t.shape) for name, t in tensors.items()},
+            f"the draft weights for a {cfg.layout}/{cfg.block} FastMTP head",
+        )
         params = dict(self.named_parameters())
-        seen: set[str] = set()
         loaded: set[str] = set()
-        unexpected: list[str] = []
-        misshaped: list[str] = []
-        for name, tensor in weights:
-            shape = expected.get(name)
-            if shape is None:
-                unexpected.append(name)
-                continue
-            if tuple(tensor.shape) != shape:
-                misshaped.append(f"{name}: {tuple(tensor.shape)} (expected {shape})")
-                continue
-            seen.add(name)
+        for name, tensor in tensors.items():
             target = "model." + name
             for param_name, shard_name, shard_id in self.stacked_params_mapping:
                 if shard_name in target:
@@ -402,20 +388,6 @@ class FastMTPForCausalLM(nn.Module):
                 param = params[target]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(target)
-        missing = sorted(set(expected) - seen)
-        if unexpected or missing or misshaped:
-            lines = []
-            if missing:
-                lines.append("missing: " + ", ".join(missing))
-            if unexpected:
-                lines.append("unexpected: " + ", ".join(sorted(unexpected)))
-            if misshaped:
-                lines.append("mis-shaped: " + "; ".join(misshaped))
-            raise DraftFormatError(
-                f"draft weights do not match a {self.head_config.layout}/{self.head_config.block} "
-                "FastMTP head (" + " | ".join(lines) + "); re-create the draft directory with "
-                "`fastmtp convert` or `fastmtp init-head`"
-            )
         shared = {"model.embed_tokens.weight", "lm_head.weight"}
         assert loaded == set(params) - shared, sorted(set(params) - shared - loaded)
         return loaded

@@ -1,0 +1,247 @@
+"""Benchmark across K: tau, A_k, a_k, decode tokens/s and speedup over K=0, per category.
+
+Two back ends with one output format:
+
+- in-process (``--engine reference``): one target and one head loaded once; every prompt is run
+  for every K back to back (batch 1), so the K=0 baseline and each K see the same machine state.
+  Tokens/s counts decode only (prefill excluded).
+- ``--url`` (repeatable): one server per K, ours or SGLang's (same ``/generate`` shape); each
+  server's K comes from ``/server_info``. Tokens/s is completion tokens over end-to-end latency.
+
+Speedup = tokens/s at K / tokens/s at K=0 over the same prompts in the same run. Each timing is
+the median over ``repeats`` runs of the prompt set. Greedy runs also report how many outputs at
+K > 0 equal the K=0 output (exact in fp32; bf16 is not batch-shape invariant, DESIGN.md 6).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fastmtp_sglang.metrics import summarize_cycles
+
+
+@dataclass
+class BenchConfig:
+    steps: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.steps or any(k < 0 for k in self.steps):
+            raise ValueError(f"steps must be a non-empty list of K >= 0, got {self.steps}")
+        if 0 not in self.steps:  # every speedup is relative to K=0 measured in the same run
+            self.steps = [0] + list(self.steps)
+        self.steps = sorted(set(self.steps))
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
+
+    def sampling_params(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": False}
+
+
+@dataclass
+class Sample:
+    """One prompt at one K (one repeat)."""
+    prompt_id: str
+    category: str
+    steps: int
+    completion_tokens: int
+    seconds: float              # decode seconds (in-process) or e2e latency (URL)
+    verify_ct: int
+    accepted: list[int] | None  # per-cycle accepted counts when the back end reports them
+    output_ids: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+def _group(samples: list[Sample], k: int, category: str | None) -> list[Sample]:
+    return [s for s in samples if s.steps == k and (category is None or s.category == category)]
+
+
+def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
+    """Acceptance over all cycles of the group; tokens/s = median over repeats of the ratio."""
+    out: dict[str, Any] = {"steps": k, "prompts": len(group) // max(repeats, 1)}
+    if all(s.accepted is not None for s in group):
+        out.update(summarize_cycles([a for s in group for a in s.accepted], k))
+    else:  # SGLang: only totals per request
+        cyc = sum(s.verify_ct for s in group)
+        out.update(cycles=cyc, tau=sum(s.completion_tokens for s in group) / cyc if cyc else 0.0,
+                   A_k=None, a_k=None, accept_hist=None)
+    per_rep = []
+    for r in range(repeats):
+        part = group[r::repeats]
+        toks = sum(s.completion_tokens - (1 if s.verify_ct else 0) for s in part)
+        secs = sum(s.seconds for s in part)
+        per_rep.append(toks / secs if secs > 0 else 0.0)
+    out["tokens_per_s"] = statistics.median(per_rep)
+    out["completion_tokens"] = sum(s.completion_tokens for s in group) // repeats
+    tot = sum(s.draft_s + s.verify_s for s in group)
+    if tot > 0:
+        cycles = max(sum(s.verify_ct for s in group), 1)
+        out["draft_ms_per_cycle"] = 1000 * sum(s.draft_s for s in group) / cycles
+        out["verify_ms_per_cycle"] = 1000 * sum(s.verify_s for s in group) / cycles
+        out["draft_share"] = sum(s.draft_s for s in group) / tot
+    return out
+
+
+def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
+    cats = sorted({s.category for s in samples})
+    res: dict[str, Any] = {"overall": {}, "categories": {c: {} for c in cats}}
+    for k in cfg.steps:
+        res["overall"][k] = _stats(_group(samples, k, None), k, cfg.repeats)
+        for c in cats:
+            res["categories"][c][k] = _stats(_group(samples, k, c), k, cfg.repeats)
+    for block in [res["overall"], *res["categories"].values()]:
+        base = block[0]["tokens_per_s"]
+        for k in cfg.steps:
+            block[k]["speedup"] = block[k]["tokens_per_s"] / base if base > 0 else 0.0
+    if cfg.temperature == 0:
+        base = {s.prompt_id: s.output_ids for s in samples if s.steps == 0}
+        for k in cfg.steps:
+            grp = [s for s in samples if s.steps == k and s.output_ids]
+            if grp:
+                same = sum(1 for s in grp if s.output_ids == base.get(s.prompt_id))
+                res["overall"][k]["same_output_as_k0"] = f"{same}/{len(grp)}"
+    return res
+
+
+def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg: BenchConfig,
+                   progress: bool = True, max_context: int | None = None) -> list[Sample]:
+    """prompts: (id, category, input_ids). Each prompt runs at every K back to back."""
+    from tqdm import tqdm
+
+    from fastmtp_sglang.engine import ReferenceEngine, Request
+    from fastmtp_sglang.sampling import SamplingParams
+
+    engines = {k: ReferenceEngine(target, head if k else None, k, max_context) for k in cfg.steps}
+    samples: list[Sample] = []
+    total = len(prompts) * len(cfg.steps) * cfg.repeats
+    with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:
+        for rep in range(cfg.repeats):
+            for pid, cat, ids in prompts:
+                for k in cfg.steps:
+                    params = SamplingParams(**{**cfg.sampling_params(), "seed": cfg.seed + rep})
+                    r = engines[k].generate([Request(list(ids), params, pid)])[0]
+                    m = r.metrics
+                    samples.append(Sample(pid, cat, k, m.completion_tokens, m.decode_s, m.verify_ct,
+                                          [c.accepted for c in m.cycles], r.output_ids,
+                                          sum(c.draft_s for c in m.cycles),
+                                          sum(c.verify_s for c in m.cycles), m.prefill_s))
+                    bar.update(1)
+    # stable sort: the repeats of one prompt stay in run order, so group[r::repeats] is repeat r
+    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id))
+    return samples
+
+
+def run_urls(urls: dict[int, str], prompts: list[tuple[str, str, str]], cfg: BenchConfig,
+             progress: bool = True) -> list[Sample]:
+    """prompts: (id, category, chat-templated text). urls: K -> server URL."""
+    from tqdm import tqdm
+
+    from fastmtp_sglang.client import generate
+
+    samples: list[Sample] = []
+    total = len(prompts) * len(cfg.steps) * cfg.repeats
+    with tqdm(total=total, desc="bench", unit="req", disable=not progress, file=sys.stderr) as bar:
+        for rep in range(cfg.repeats):
+            for pid, cat, text in prompts:
+                for k in cfg.steps:
+                    t = time.perf_counter()
+                    out = generate(urls[k], text=text, sampling_params=cfg.sampling_params())
+                    dt = time.perf_counter() - t
+                    meta = out.get("meta_info", {})
+                    hist = meta.get("accept_hist")
+                    accepted = None
+                    if hist is not None:  # ours: rebuild per-cycle counts from the histogram
+                        accepted = [a for a, n in enumerate(hist) for _ in range(n)]
+                    elif k == 0:
+                        accepted = [0] * int(meta.get("completion_tokens", 0))
+                    ct = int(meta.get("completion_tokens", 0))
+                    samples.append(Sample(pid, cat, k, ct, float(meta.get("e2e_latency", dt)),
+                                          int(meta.get("spec_verify_ct", ct if k == 0 else 0)),
+                                          accepted, list(out.get("output_ids") or [])))
+                    bar.update(1)
+    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id))
+    return samples
+
+
+# -- reports ---------------------------------------------------------------------------------
+
+def _fmt_pct(xs: list[float] | None) -> str:
+    return "/".join(f"{100 * x:.0f}" for x in xs) if xs else "-"
+
+
+def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [f"# fastmtp bench: {meta.get('label', '')}", "",
+             f"Command: `{meta.get('command', '')}`", "",
+             f"Target: `{meta.get('target')}`; draft: `{meta.get('draft')}`; "
+             f"{meta.get('prompts')} prompts; max_new_tokens {meta['config']['max_new_tokens']}; "
+             f"temperature {meta['config']['temperature']}; repeats {meta['config']['repeats']} "
+             f"(median); {meta.get('engine')}.", "",
+             "| K | tau | A_k (%) | a_k (%) | tok/s | speedup | draft ms/cycle | verify ms/cycle | same as K=0 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k, r in results["overall"].items():
+        lines.append(
+            f"| {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
+            f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+            f"{r.get('draft_ms_per_cycle', 0):.1f} | {r.get('verify_ms_per_cycle', 0):.1f} | "
+            f"{r.get('same_output_as_k0', '-')} |")
+    lines += ["", "Per category (tau / speedup):", "",
+              "| category | " + " | ".join(f"K={k}" for k in results["overall"]) + " |",
+              "|---|" + "---|" * len(results["overall"])]
+    for c, block in results["categories"].items():
+        lines.append(f"| {c} | " + " | ".join(
+            f"{r['tau']:.2f} / {r['speedup']:.2f}x" for r in block.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    ks = list(results["overall"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    a1.plot(ks, [results["overall"][k]["tau"] for k in ks], "o-", label="all")
+    a1.plot(ks, [k + 1 for k in ks], ":", color="grey", label="K+1 (limit)")
+    for c, block in results["categories"].items():
+        a1.plot(ks, [block[k]["tau"] for k in ks], "-", alpha=0.35, lw=1)
+    a1.set_xlabel("K (draft steps)"); a1.set_ylabel("tau (tokens / verification)")
+    a1.legend(fontsize=8); a1.grid(alpha=0.3)
+    a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1")
+    a2.axhline(1.0, color="grey", ls=":")
+    a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")
+    a2.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any],
+                  samples: list[Sample]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "results": results,
+               "samples": [{k: v for k, v in asdict(s).items() if k != "output_ids"} for s in samples]}
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(out / "results.json")
+    (out / "results.md").write_text(markdown(results, meta))
+    plot(results, out / "results.png", meta.get("label", ""))

@@ -1,0 +1,135 @@
+"""`fastmtp bench`: tau, acceptance and speedup across K, in-process or against servers.
+
+  fastmtp bench --engine reference --target T --draft D --steps 0,1,2,3 \\
+      --prompts bench/data/spec_bench.jsonl --limit-per-category 2 --out R/
+  fastmtp bench --url http://127.0.0.1:30000 --url http://127.0.0.1:30001 --target T \\
+      --prompts bench/data/spec_bench.jsonl --out R/
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from fastmtp_sglang.errors import FastMTPError
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        steps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FastMTPError(f"--steps takes comma-separated integers like 0,1,2,3; got {text!r}") from None
+    if not steps or min(steps) < 0:
+        raise FastMTPError(f"--steps needs integers >= 0; got {text!r}")
+    return steps
+
+
+def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
+    """(id, category, text, ids) with the chat template applied (the server applies none)."""
+    from fastmtp_sglang.prompts import load_prompts, render_chat
+
+    out = []
+    for p in load_prompts(paths, limit_per_category=limit, categories=categories):
+        text = render_chat(tokenizer, p.text) if chat else p.text
+        ids = tokenizer(text, add_special_tokens=not chat).input_ids
+        out.append((p.id, p.category, text, ids))
+    if not out:
+        raise FastMTPError("no prompts to run")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastmtp_sglang.bench import BenchConfig, run_in_process, run_urls, summarize, write_results
+
+    cfg = BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature, args.top_p,
+                      args.top_k, args.repeats, args.seed)
+    meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "config": cfg.__dict__, "target": args.target, "draft": args.draft,
+            "label": args.label or Path(args.out).name}
+    if args.url:
+        from transformers import AutoTokenizer
+
+        from fastmtp_sglang.client import server_info
+
+        urls: dict[int, str] = {}
+        for u in args.url:
+            info = server_info(u)
+            k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
+            if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
+                k = 0
+            if k in urls:
+                raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
+            urls[k] = u
+        missing = [k for k in cfg.steps if k not in urls]
+        if missing:
+            raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
+                               "one server per K (K=0 is a server without speculation)")
+        if not args.target:
+            raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
+        tok = AutoTokenizer.from_pretrained(args.target)
+        prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
+        samples = run_urls(urls, [(i, c, t) for i, c, t, _ in prompts], cfg, not args.no_progress)
+        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items())))
+    else:
+        from fastmtp_sglang.draft_dir import load_head
+        from fastmtp_sglang.target import load_target, require_fits
+
+        if not args.target:
+            raise FastMTPError("--engine reference needs --target")
+        target = load_target(args.target, dtype=args.dtype)
+        head = None
+        if max(cfg.steps) > 0:
+            if not args.draft:
+                raise FastMTPError("K > 0 needs --draft")
+            head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
+            require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
+        prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
+                                  args.category, not args.raw)
+        samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
+                                 not args.no_progress)
+        meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1")
+    meta["prompts"] = len(prompts)
+    results = summarize(samples, cfg)
+    write_results(Path(args.out), results, meta, samples)
+    from fastmtp_sglang.bench import markdown
+
+    print(markdown(results, meta))
+    print(f"wrote {args.out}/results.json, results.md, results.png")
+    return 0
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", default="0,1,2,3,4", help="comma-separated K values (K=0 is always "
+                   "added: it is the baseline; default 0,1,2,3,4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=-1, help="top-k (default -1 = off)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of the prompt set; tokens/s is "
+                   "the median (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                   help="in-process target dtype (default bfloat16)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tau, acceptance and speedup across K",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", action="append", default=[], help="server URL, once per K (each "
+                   "server's K is read from /server_info); omit for in-process")
+    p.add_argument("--engine", choices=("reference",), default="reference",
+                   help="in-process engine when no --url is given")
+    p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")
+    p.add_argument("--draft", help="draft directory (in-process)")
+    p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Spec-Bench, C-Eval, "
+                   "{id, prompt} JSONL)")
+    p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    p.add_argument("--category", action="append", default=None, help="only this category (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send prompts as they are, no chat template")
+    p.add_argument("--out", required=True, help="output directory for results.json/.md/.png")
+    p.add_argument("--label", default=None, help="title for the report")
+    add_common(p)
+    p.set_defaults(func=run)

