@@ -209,6 +209,31 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention over explicit key blocks ``[*past, own]`` (training; no cache).
+
+        x [B, S, H]; cos, sin [B, S, D]; past: (k, v) pairs, each [B, n_kv, S_i, D], already
+        rotated; mask: bool [S, sum S_i + S] or [B, 1, S, sum S_i + S]. Returns the output
+        [B, S, H] and this call's own rotated (k, v), each [B, n_kv, S, D].
+        """
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = torch.cat([pk for pk, _ in past] + [k], dim=2) if past else k
+        vals = torch.cat([pv for _, pv in past] + [v], dim=2) if past else v
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=1)
+            vals = vals.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: HeadConfig):
@@ -236,6 +261,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, positions, cache, attn_mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_train(self, x, cos, sin, past, mask):
+        a, kv = self.self_attn.forward_train(self.input_layernorm(x), cos, sin, past, mask)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class _Shared:
@@ -355,3 +385,34 @@ class FastMTPHead(nn.Module):
         x = self.layer(x, cos, sin, positions, cache, attn_mask)
         out = self.final_norm(x)
         return out, (self.project(out) if return_logits else None)
+
+    def forward_train_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                           past_kv: list[tuple[torch.Tensor, torch.Tensor]], attn_mask: torch.Tensor
+                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One recursive step over a whole sequence, attending to explicit earlier key blocks.
+
+        Training runs every anchor of a sequence at once: step k's S inputs see the key blocks of
+        steps 1..k-1 (``past_kv``) and their own, through ``attn_mask``; this is how the
+        train-as-you-serve pattern (``fastmtp_sglang.train``) reproduces what the serving KV cache
+        holds. The maths per token is :meth:`forward`'s.
+
+        Parameters
+        ----------
+        hidden : [B, S, H] the target's hidden states (step 1) or this head's previous outputs.
+        input_ids : [B, S] the tokens paired with ``hidden``.
+        positions : [B, S] int64 rotary positions of these queries and keys.
+        past_kv : earlier steps' rotated (k, v), each [B, n_kv, S_i, D]; [] for step 1.
+        attn_mask : bool [S, sum S_i + S] or [B, 1, S, sum S_i + S]; True = may attend.
+
+        Returns
+        -------
+        out_hidden : [B, S, H] after the final norm (no logits: the loss projects in chunks).
+        kv : this step's rotated (k, v), each [B, n_kv, S, D], for the next steps' ``past_kv``.
+        """
+        if self.embed_tokens is None:
+            raise RuntimeError("FastMTPHead has no embedding: call set_embed_and_head first")
+        dtype = self.enorm.weight.dtype
+        x = self.fuse(hidden.to(dtype), self.embed_tokens(input_ids).to(dtype))
+        cos, sin = self.rotary(x, positions)
+        x, kv = self.layer.forward_train(x, cos, sin, past_kv, attn_mask)
+        return self.final_norm(x), kv

@@ -38,13 +38,26 @@ def calibration_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def calibration_ids(tokenizer, max_tokens: int, from_end: bool = False) -> torch.Tensor:
+    """Up to ``max_tokens`` ids of the calibration text, tokenized topic by topic, from its start
+    (the fit) or from its end (held-out scoring: disjoint while fit + held-out < ~110K tokens)."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for k in sorted(topics, reverse=from_end):
+        ids += tokenizer(topics[k] + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens])
+
+
 @torch.no_grad()
 def _calibration_pairs(target: Target, num_tokens: int, chunk: int = 256
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_i, e_{i+1}, r_{i+1}, x_{i+2}) over calibration chunks; each [N, H] (ids [N])."""
     if target.tokenizer is None:
         raise FastMTPError("init-head --init-proj lstsq needs the target's tokenizer")
-    ids = target.tokenizer(calibration_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = calibration_ids(target.tokenizer, num_tokens + chunk)
     n_chunks = max(1, min(len(ids) // chunk, math.ceil(num_tokens / chunk)))
     model = target.model
     hs, es, rs, ys = [], [], [], []
@@ -108,8 +121,7 @@ def init_state_dict(target: Target, layout: str, method: str, calib_tokens: int
 def step1_accuracy(target: Target, head: FastMTPHead, num_tokens: int = 2048, chunk: int = 256) -> float:
     """Top-1 accuracy of step 1 (predicting x_{i+2} from h_i, x_{i+1}) on calibration text held
     out from the fit (the chunks after the fitted ones)."""
-    ids = target.tokenizer(calibration_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
-    ids = ids[-(num_tokens // chunk) * chunk:]  # the end of the text: not used by the fit
+    ids = calibration_ids(target.tokenizer, num_tokens, from_end=True)  # not used by the fit
     hits = total = 0
     for c in range(len(ids) // chunk):
         x = ids[c * chunk:(c + 1) * chunk][None]
