@@ -26,7 +26,9 @@ with ``--enable-deterministic-inference``.
 Resuming: a rerun with the same ``--out`` reads what is there and skips the samples it holds
 (and those already dropped by a filter, listed in ``<out>.rejected.jsonl``). A line cut short by
 a crash (no newline, or not JSON) is dropped and the file rewritten cleanly before anything is
-appended. Each sample is appended and flushed as soon as it completes. A rerun with different
+appended. Samples are appended and flushed as they complete, in prompt order (requests run
+concurrently; results wait for the ones before them, so the file's order, and which of two
+identical samples is kept, do not depend on timing). A rerun with different
 sampling settings or another target is refused: one file holds one distribution.
 
 Filters (counts printed at the end and written to ``<out>.stats.json``):
@@ -39,7 +41,7 @@ Filters (counts printed at the end and written to ``<out>.stats.json``):
   shorter of the two has at least ``MIN_CONTAINED_CHARS`` characters.
 - ``refused``: the server answered 4xx (a prompt longer than the context, say): the prompt is
   skipped with the server's message and retried on a later run, as the server may have changed.
-- ``empty``: the response has no tokens.
+- ``empty``: the response text is blank (no tokens, or only EOS / whitespace).
 - ``duplicate``: the response text (stripped) equals an earlier kept response to the same prompt.
 - ``degenerate``: repetition, see ``repetition_coverage``: some n-gram of response tokens that
   occurs at least ``MIN_REPEATS`` times covers more than ``--max-repeat-fraction`` of them.
@@ -59,7 +61,7 @@ import json
 import os
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -331,7 +333,7 @@ class ResponseFilter:
                finish_reason: Any) -> str | None:
         """None to keep the sample, else the filter that drops it. Kept responses are
         remembered for the duplicate check."""
-        if not response_ids and not response.strip():
+        if not response.strip():  # nothing, or only EOS / whitespace: nothing to learn from
             return "empty"
         if response.strip() in self.seen[prompt_id]:
             return "duplicate"
@@ -511,7 +513,8 @@ class Stats:
             f"samples: {self.samples_planned} planned, {self.already_done} already in the output, "
             f"{self.already_rejected} rejected earlier, {self.requested} requested "
             f"({self.retries} retries)",
-            f"results: {self.written} written, {self.refused} refused by the server, "
+            f"results: {self.written} written, {self.refused} refused by the server "
+            f"({len(self.refused_list)} prompts), "
             f"{self.failed} failed; dropped {d['duplicate']} duplicate, {d['degenerate']} "
             f"degenerate, {d['empty']} empty, {d['truncated']} truncated",
             f"truncated (finish_reason length): {self.truncated} this run, "
@@ -520,6 +523,7 @@ class Stats:
             f"this run, {self.seconds:.1f} s",
         ]
         for title, items in (("bad prompt lines", self.bad_prompt_line_list),
+                             ("excluded (overlap with --exclude files)", self.excluded_ids),
                              ("damaged output lines (dropped)", self.damaged_output_lines),
                              ("refused", self.refused_list), ("failed", self.failed_list)):
             if items:
@@ -592,8 +596,9 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
 
     prompts, bad = read_prompts_tolerant(cfg.prompts)
     stats.prompts_read, stats.bad_prompt_lines, stats.bad_prompt_line_list = len(prompts), len(bad), bad
-    for b in bad:
-        log(f"fastmtp distill: skipped {b}")
+    if bad:
+        log(f"fastmtp distill: skipped {len(bad)} bad prompt line(s), first {bad[0]} "
+            "(all listed at the end and in the stats file)")
     if cfg.exclude:
         excluder = Excluder(eval_texts(cfg.exclude))
         stats.eval_texts = len(excluder)
@@ -670,65 +675,81 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
             f"{out} or were dropped by a filter earlier ({rejected_path(out).name})")
         return finish()
 
-    window = 2 * cfg.concurrency  # requests in flight or queued; bounded, so an abort is prompt
+    # Requests run concurrently, but results are handled (filtered, written) in job order, so
+    # the output's order, and which of two identical samples is kept (the lower index), do not
+    # depend on timing. Bounded: `window` requests in flight, at most 4 windows of finished
+    # results waiting behind a slow one.
+    window = 2 * cfg.concurrency
     pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="distill")
-    pending: dict[Future, Job] = {}
+    pending: dict[Future, int] = {}
+    results: dict[int, tuple[str, Any]] = {}
+    listed_refused: set[str] = set()
+
+    def handle(job: Job, kind: str, payload: Any) -> None:
+        nonlocal lines_in_output
+        if kind in ("refused", "skipped"):  # skipped: a sibling sample of a refused prompt
+            stats.refused += 1
+            if kind == "refused" and job.prompt.id not in listed_refused:
+                listed_refused.add(job.prompt.id)
+                stats.refused_list.append(f"{job.prompt.id}: {payload}")
+            return
+        if kind == "failed":
+            stats.failed += 1
+            stats.failed_list.append(f"{job.id}: {payload}")
+            return
+        reply, used = payload
+        stats.retries += used
+        rec = _record(job, reply, tokenizer, target, stats)
+        truncated = is_truncated(rec["finish_reason"])
+        stats.truncated += truncated
+        why = filt.reason(job.prompt.id, rec["response"], rec["response_ids"], rec["finish_reason"])
+        if why is not None:
+            stats.dropped[why] += 1
+            frej.write(json.dumps({"id": job.id, "prompt_id": job.prompt.id, "reason": why,
+                                   "response": rec["response"]}, ensure_ascii=False) + "\n")
+            frej.flush()
+            return
+        stats.truncated_kept += truncated
+        fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        fout.flush()
+        stats.written += 1
+        lines_in_output += 1
+        stats.completion_tokens += rec["completion_tokens"]
+
     with open(out, "a", encoding="utf-8") as fout, \
             open(rejected_path(out), "a", encoding="utf-8") as frej, \
             tqdm(total=len(jobs), desc="distill", unit="sample", disable=not cfg.progress,
                  file=sys.stderr) as bar:
-        queue = iter(jobs)
+        next_submit = next_write = 0
         try:
-            while True:
-                for job in queue:
-                    if job.prompt.id in refused_prompts:  # a 4xx for one sample: skip its siblings
-                        stats.refused += 1
-                        bar.update(1)
-                        continue
-                    pending[pool.submit(request_with_retries, cfg.url, job, cfg.retries,
-                                        cfg.backoff, cfg.timeout)] = job
-                    stats.requested += 1
-                    if len(pending) >= window:
-                        break
-                if not pending:
-                    break
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    job = pending.pop(fut)
+            while next_write < len(jobs):
+                while (next_submit < len(jobs) and len(pending) < window
+                       and next_submit < next_write + 4 * window):
+                    job = jobs[next_submit]
+                    if job.prompt.id in refused_prompts:
+                        results[next_submit] = ("skipped", None)
+                    else:
+                        pending[pool.submit(request_with_retries, cfg.url, job, cfg.retries,
+                                            cfg.backoff, cfg.timeout)] = next_submit
+                        stats.requested += 1
+                    next_submit += 1
+                if next_write not in results:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        i = pending.pop(fut)
+                        try:
+                            results[i] = ("ok", fut.result())
+                        except Refused as exc:
+                            results[i] = ("refused", str(exc))
+                            refused_prompts.add(jobs[i].prompt.id)
+                        except client.ServerError as exc:
+                            results[i] = ("failed", str(exc))
+                while next_write in results:
+                    handle(jobs[next_write], *results.pop(next_write))
+                    next_write += 1
                     bar.update(1)
-                    try:
-                        reply, used = fut.result()
-                    except Refused as exc:
-                        stats.refused += 1
-                        if job.prompt.id not in refused_prompts:
-                            refused_prompts.add(job.prompt.id)
-                            stats.refused_list.append(f"{job.prompt.id}: {exc}")
-                        continue
-                    except client.ServerError as exc:
-                        stats.failed += 1
-                        stats.failed_list.append(f"{job.id}: {exc}")
-                        continue
-                    stats.retries += used
-                    rec = _record(job, reply, tokenizer, target, stats)
-                    truncated = is_truncated(rec["finish_reason"])
-                    stats.truncated += truncated
-                    why = filt.reason(job.prompt.id, rec["response"], rec["response_ids"],
-                                      rec["finish_reason"])
-                    if why is not None:
-                        stats.dropped[why] += 1
-                        frej.write(json.dumps({"id": job.id, "prompt_id": job.prompt.id,
-                                               "reason": why, "response": rec["response"]},
-                                              ensure_ascii=False) + "\n")
-                        frej.flush()
-                        continue
-                    stats.truncated_kept += truncated
-                    fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    fout.flush()
-                    stats.written += 1
-                    lines_in_output += 1
-                    stats.completion_tokens += rec["completion_tokens"]
-                    bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
-                                    refused=stats.refused, refresh=False)
+                bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
+                                refused=stats.refused, refresh=False)
         except Unreachable as exc:
             stats.aborted = f"{cfg.url} unreachable after {cfg.retries} retries: {exc}"
         except KeyboardInterrupt:

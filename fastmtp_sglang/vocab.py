@@ -92,10 +92,13 @@ def tokenizer_identity(tokenizer) -> dict:
     included; ``base_vocab_sha256`` the same without added tokens (Qwen2.5, Qwen3 and MiMo share
     the base vocabulary and differ in added tokens).
     """
+    cached = getattr(tokenizer, "_fastmtp_identity", None)
+    if cached is not None and cached["vocab_size"] == len(tokenizer):
+        return dict(cached)  # hashing 152K items takes about a second; a tokenizer that grew is re-hashed
     vocab = tokenizer.get_vocab()
     added = {int(i): str(t) for i, t in tokenizer.added_tokens_decoder.items()}
     added_ids = set(added)
-    return {
+    identity = {
         "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
         "class": type(tokenizer).__name__,
         "vocab_size": len(tokenizer),
@@ -103,6 +106,11 @@ def tokenizer_identity(tokenizer) -> dict:
         "base_vocab_sha256": _sha256_items((t, i) for t, i in vocab.items() if i not in added_ids),
         "added_tokens": {str(i): added[i] for i in sorted(added)},
     }
+    try:
+        tokenizer._fastmtp_identity = identity
+    except AttributeError:  # a tokenizer class that forbids new attributes: no cache
+        pass
+    return dict(identity)
 
 
 def special_token_ids(tokenizer) -> list[int]:
@@ -483,6 +491,8 @@ def _check_tokenizer(meta: dict, tokenizer, path: Path, ids: torch.Tensor) -> to
 def load_table(path: str | Path, tokenizer=None) -> VocabTable:
     """Load a table (and its sidecar); with ``tokenizer``, refuse one built for another tokenizer.
 
+    ``path`` is a ``.pt`` file or a shipped table's ref, ``builtin:<tokenizer-id>/<lang>-<N>``.
+
     Raises
     ------
     MismatchError (a FastMTPError)
@@ -491,6 +501,8 @@ def load_table(path: str | Path, tokenizer=None) -> VocabTable:
     FastMTPError
         The file is missing or is not a 1-D tensor of distinct non-negative ids.
     """
+    if str(path).startswith("builtin:"):
+        path = resolve_table_ref(str(path))
     path = Path(path)
     if not path.is_file():
         raise FastMTPError(f"vocab table {path} does not exist")

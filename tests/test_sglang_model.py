@@ -437,7 +437,7 @@ def server_parser(sgl):
 @pytest.mark.parametrize("steps, extra", [(3, []), (1, ["--mem-fraction-static", "0.7"]),
                                           (5, ["--speculative-token-map", "hot.pt"]), (0, [])])
 def test_launch_flags_exist_in_server_args(server_parser, drafts, steps, extra):
-    from fastmtp_sglang.sglang_launch import build_launch_command
+    from fastmtp_sglang.sglang_launch import build_launch_command, format_command
 
     draft = drafts["llama", "deepseek"]
     argv, env = build_launch_command("/models/target", draft, steps, 30001, "127.0.0.1", extra)
@@ -454,6 +454,8 @@ def test_launch_flags_exist_in_server_args(server_parser, drafts, steps, extra):
                 args.speculative_num_draft_tokens) == (steps, 1, steps + 1)
         assert not args.enable_multi_layer_eagle
         assert env == {"SGLANG_EXTERNAL_MODEL_PACKAGE": "fastmtp_sglang.models"}
+        assert format_command(argv, env).startswith(
+            "SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models " + sys.executable)
     else:
         assert args.speculative_algorithm is None and env == {}
 

