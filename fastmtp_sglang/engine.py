@@ -82,7 +82,8 @@ class ReferenceEngine:
     max_context : positions a request may use (default: the target's max_position_embeddings)
     """
 
-    def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None):
+    def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
+                 draft_vocab=None):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if steps > 0 and head is None:
@@ -93,6 +94,7 @@ class ReferenceEngine:
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
         self.eos_ids = set(target.eos_ids)
+        self.draft_vocab = draft_vocab  # fastmtp_sglang.draft_vocab.DraftVocab, or None = full vocab
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -139,6 +141,14 @@ class ReferenceEngine:
             probs = logits_to_probs(logits.float(), temp[rows_t], top_p[rows_t], top_k[rows_t])
             return sample(probs, gen), probs
 
+        def draft_pick(g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
+            if self.draft_vocab is None:
+                return pick(self.head.project(g).float(), rows_t)
+            if greedy:
+                return self.draft_vocab.greedy(g, tidx, extra), None
+            return pick(self.draft_vocab.logits(g, tidx, extra).float(), rows_t)
+
         t0 = time.perf_counter()
         B = len(rows)
         lens = torch.tensor([len(r.input_ids) for r in requests], device=dev)
@@ -161,9 +171,11 @@ class ReferenceEngine:
             nxt[torch.arange(B, device=dev), lens - 1] = pending
             max_len = self.max_context + K + 2
             dcache = self.head.new_cache(B, max_len, device=dev)
-            g, dlogits = self.head(hidden, nxt, ar[None].expand(B, L), dcache)
+            g, _ = self.head(hidden, nxt, ar[None].expand(B, L), dcache, return_logits=False)
             g = g[torch.arange(B, device=dev), lens - 1]                          # [B, H]
-            dlogits = dlogits[torch.arange(B, device=dev), lens - 1].float()       # [B, V]
+            tidx = extra = None
+            if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
+                tidx, extra = self.draft_vocab.choose(ids, valid)
         _sync(dev)
         prefill = time.perf_counter() - t0
         for r in rows:
@@ -183,20 +195,24 @@ class ReferenceEngine:
                 valid, pending, pos = valid[sel], pending[sel], pos[sel]
                 if K:
                     dcache.select(sel)
-                    g, dlogits = g[sel], dlogits[sel]
+                    g = g[sel]
+                    if tidx is not None:
+                        tidx = tidx[sel]
+                        extra = extra[sel] if extra is not None else None
             n = len(active)
             # -- 1. draft ------------------------------------------------------------------
             t = time.perf_counter()
             drafts = torch.empty(n, K, dtype=torch.long, device=dev)
             qs = []
             if K:
-                d, q = pick(dlogits, active)
+                d, q = draft_pick(g, active)
                 drafts[:, 0] = d
                 qs.append(q)
                 for k in range(2, K + 1):
-                    g, lg = self.head(g[:, None], drafts[:, k - 2, None], (pos + k - 2)[:, None], dcache)
+                    g, _ = self.head(g[:, None], drafts[:, k - 2, None], (pos + k - 2)[:, None],
+                                     dcache, return_logits=False)
                     g = g[:, 0]
-                    d, q = pick(lg[:, 0].float(), active)
+                    d, q = draft_pick(g, active)
                     drafts[:, k - 1] = d
                     qs.append(q)
             _sync(dev)
@@ -233,9 +249,8 @@ class ReferenceEngine:
             if K:
                 ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                   # [n, K+1]
                 ext_ids.scatter_(1, acc[:, None], bonus[:, None])
-                ge, le = self.head(vh, ext_ids, vpos, dcache)
-                idx = torch.arange(n, device=dev)
-                g, dlogits = ge[idx, acc], le[idx, acc].float()
+                ge, _ = self.head(vh, ext_ids, vpos, dcache, return_logits=False)
+                g = ge[torch.arange(n, device=dev), acc]
             _sync(dev)
             t_draft += time.perf_counter() - t
             # -- bookkeeping ----------------------------------------------------------------

@@ -412,26 +412,31 @@ def _table_logits(
     hidden: torch.Tensor,  # [B, H]
     weight: torch.Tensor,  # [V, H]
     tables: torch.Tensor,  # [L, S]
+    table_lens: torch.Tensor,  # [L]
     table_idx: torch.Tensor,  # [B]
     table_weight: torch.Tensor | None,  # [L, S, H]
     group_on_host: bool,
-) -> torch.Tensor:  # [B, S] float32, padded slots unmasked
+) -> torch.Tensor:  # [B, S] float32, padded slots unmasked (zero or garbage)
     B = hidden.shape[0]
     L, S = tables.shape
     V = weight.shape[0]
 
-    def table_rows(l: int) -> torch.Tensor:  # [S, H]
+    def table_rows(l: int, n: int = S) -> torch.Tensor:  # [n, H]
         if table_weight is not None:
-            return table_weight[l]
-        return weight.index_select(0, tables[l].clamp(0, V - 1))
+            return table_weight[l, :n]
+        return weight.index_select(0, tables[l, :n].clamp(0, V - 1))
 
     if group_on_host:
+        # only the rows' own tables, and only up to each table's length (a 4K table padded to
+        # 32K costs 4K rows here)
         out = torch.zeros(B, S, dtype=torch.float32, device=hidden.device)
+        lens = table_lens.tolist()
         for l in torch.unique(table_idx).tolist():
             if not 0 <= l < L:
                 raise ValueError(f"table_idx holds {l}, outside [0, {L})")
+            n = max(0, min(int(lens[l]), S))
             rows = (table_idx == l).nonzero().squeeze(1)
-            out[rows] = (hidden.index_select(0, rows) @ table_rows(l).T).float()
+            out[rows, :n] = (hidden.index_select(0, rows) @ table_rows(l, n).T).float()
         return out
     # No host sync: every row against every table, then pick (L x B x S floats).
     per_table = torch.stack([(hidden @ table_rows(l).T).float() for l in range(L)])  # [L, B, S]
@@ -489,7 +494,8 @@ def compressed_head_torch(
     dev = hidden.device
 
     # Host syncs are free on CPU: there each row is computed against its own table only.
-    logits_t = _table_logits(hidden, weight, tables, table_idx, table_weight, group_on_host=dev.type == "cpu")
+    logits_t = _table_logits(hidden, weight, tables, table_lens, table_idx, table_weight,
+                             group_on_host=dev.type == "cpu")
     in_len = torch.arange(S, device=dev)[None, :] < table_lens.index_select(0, table_idx)[:, None]
     logits_t = logits_t.masked_fill(~in_len, float("-inf"))
 
