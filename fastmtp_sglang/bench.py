@@ -118,14 +118,16 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
 
 
 def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg: BenchConfig,
-                   progress: bool = True, max_context: int | None = None) -> list[Sample]:
+                   progress: bool = True, max_context: int | None = None,
+                   draft_vocab=None) -> list[Sample]:
     """prompts: (id, category, input_ids). Each prompt runs at every K back to back."""
     from tqdm import tqdm
 
     from fastmtp_sglang.engine import ReferenceEngine, Request
     from fastmtp_sglang.sampling import SamplingParams
 
-    engines = {k: ReferenceEngine(target, head if k else None, k, max_context) for k in cfg.steps}
+    engines = {k: ReferenceEngine(target, head if k else None, k, max_context,
+                                  draft_vocab=draft_vocab if k else None) for k in cfg.steps}
     samples: list[Sample] = []
     total = len(prompts) * len(cfg.steps) * cfg.repeats
     with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:

@@ -87,9 +87,14 @@ def run(args: argparse.Namespace) -> int:
             require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
         prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
                                   args.category, not args.raw)
+        from fastmtp_sglang.draft_vocab import resolve_vocab
+
+        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
         samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
-                                 not args.no_progress)
-        meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1")
+                                 not args.no_progress, draft_vocab=vocab)
+        vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
+        meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1, {vdesc}",
+                    vocab=None if vocab is None else vocab.tables.names)
     meta["prompts"] = len(prompts)
     results = summarize(samples, cfg)
     write_results(Path(args.out), results, meta, samples)
@@ -113,6 +118,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="in-process target dtype (default bfloat16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--vocab", default=None, help="draft vocabulary (in-process): default the "
+                   "draft's own tables if it lists any, else full; full; "
+                   "auto (shipped tables for the target's tokenizer, one per language, picked per "
+                   "request), or comma-separated table files / builtin:<tokenizer>/<lang>-<N>")
+    p.add_argument("--vocab-extra", choices=("none", "prompt"), default="none",
+                   help="add each request's prompt tokens to its draft table (default none)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

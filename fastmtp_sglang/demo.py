@@ -64,7 +64,13 @@ def run(args: argparse.Namespace) -> int:
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
     cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens)
     prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
-    samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg)
+    from fastmtp_sglang.draft_vocab import resolve_vocab
+
+    vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", str(draft))
+    if vocab is not None:
+        log(f"demo: draft vocabulary {', '.join(vocab.tables.names)} (picked per request)")
+    samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
+                             draft_vocab=vocab)
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp demo",
             "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
@@ -89,5 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                    help="target dtype (default bfloat16)")
+    p.add_argument("--vocab", default=None, help="draft vocabulary: the draft's tables if any "
+                   "(default), full, auto "
+                   "(shipped tables, per request) or table files")
     p.add_argument("--out", default=None, help="also write results.json/.md/.png here")
     p.set_defaults(func=run)

@@ -66,3 +66,57 @@ class DraftVocab:
                                    return_logits=True, table_weight=self.table_weight)
         return scatter_to_full(lg, slot_ids(self.tables.tables, self.tables.lens, idx, extra),
                                self.vocab_size)
+
+
+def auto_tables(tokenizer) -> list[str]:
+    """The shipped tables for this tokenizer, the largest one per language."""
+    from fastmtp_sglang.vocab import shipped_tables
+
+    best: dict[str, tuple[int, str]] = {}
+    for p in shipped_tables(tokenizer):
+        lang, _, size = p.stem.partition("-")
+        if size.isdigit() and int(size) > best.get(lang, (0, ""))[0]:
+            best[lang] = (int(size), str(p))
+    return [path for _, path in best.values()]
+
+
+def resolve_vocab(spec: str | None, tokenizer, lm_head: torch.nn.Module, extra: str = "none",
+                  draft_dir: str | None = None) -> DraftVocab | None:
+    """``--vocab`` -> a DraftVocab, or None for the full vocabulary.
+
+    spec: None (the draft directory's own tables if its config lists any, else the full
+    vocabulary: what the SGLang backend does too), ``full`` / ``none``, ``auto`` (the draft's own
+    tables, else the shipped tables for the target's tokenizer, largest per language), or
+    comma-separated table paths / ``builtin:<tokenizer>/<lang>-<N>`` refs.
+    """
+    import json
+    from pathlib import Path
+
+    from fastmtp_sglang.errors import FastMTPError
+
+    if spec in (None, ""):
+        listed = False
+        if draft_dir is not None and (Path(draft_dir) / "config.json").is_file():
+            cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+            listed = bool((cfg.get("fastmtp") or {}).get("vocab_tables"))
+        if not listed:
+            return None
+        return DraftVocab.build(TableSet.from_draft_dir(draft_dir, tokenizer), lm_head, tokenizer, extra)
+    if spec in ("full", "none"):
+        return None
+    if spec == "auto":
+        tables = None
+        if draft_dir is not None:
+            try:
+                tables = TableSet.from_draft_dir(draft_dir, tokenizer)
+            except FastMTPError:
+                tables = None
+        if tables is None:
+            refs = auto_tables(tokenizer)
+            if not refs:
+                raise FastMTPError("--vocab auto: no shipped table fits this tokenizer; build one "
+                                   "with `fastmtp build-vocab` and pass its path")
+            tables = TableSet.from_paths(refs, tokenizer)
+    else:
+        tables = TableSet.from_paths([s.strip() for s in spec.split(",") if s.strip()], tokenizer)
+    return DraftVocab.build(tables, lm_head, tokenizer, extra)

@@ -24,7 +24,6 @@ import subprocess
 from fastmtp_sglang.errors import FastMTPError
 
 
-FULL_VOCAB = (None, "none", "full", "auto")  # "auto" is the full vocabulary until tables ship
 
 
 def pick_engine(requested: str) -> tuple[str, str]:
@@ -84,9 +83,6 @@ def build_reference_server(args: argparse.Namespace):
 
     if args.steps < 0:
         raise FastMTPError(f"--steps must be >= 0, got {args.steps}")
-    if args.vocab not in FULL_VOCAB:
-        raise FastMTPError(f"--vocab {args.vocab!r}: the reference server drafts over the full "
-                           "vocabulary; use --vocab full (or leave it out)")
     if args.max_batch < 1:
         raise FastMTPError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.batch_window_ms < 0:
@@ -102,7 +98,15 @@ def build_reference_server(args: argparse.Namespace):
         require_fits(read_config(args.draft), target.config, target.tokenizer,
                      where=f"draft {args.draft}")
         head = load_head(args.draft, target.embed, target.lm_head, dtype=dtype, device=args.device)
-    engine = ReferenceEngine(target, head, args.steps, args.max_context)
+    vocab = None
+    if head is not None:
+        from fastmtp_sglang.draft_vocab import resolve_vocab
+
+        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", args.draft)
+        if vocab is not None:
+            print(f"fastmtp serve: draft vocabulary {', '.join(vocab.tables.names)}, picked per "
+                  "request from the prompt's script", flush=True)
+    engine = ReferenceEngine(target, head, args.steps, args.max_context, draft_vocab=vocab)
     try:
         return ReferenceServer(engine, args.host, args.port, model_path=str(args.target),
                                draft_path=None if args.draft is None else str(args.draft),
@@ -156,8 +160,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000,
                    help="port (default 30000, SGLang's); reference engine: 0 = any free port")
     p.add_argument("--vocab", default=None,
-                   help="draft vocabulary: full (default) or auto; SGLang's global "
-                        "--speculative-token-map can go after `--`")
+                   help="draft vocabulary, picked per request from the prompt's script: "
+                        "default the draft's own tables if it lists any, else full; full; auto "
+                        "(the draft's tables, else the shipped ones for the target's tokenizer); "
+                        "or table files. SGLang's global --speculative-token-map can go after `--`")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="reference engine: weights dtype (default float32, where greedy output "
                         "is exactly the target's)")

@@ -12,7 +12,8 @@ its ``ServerArgs`` parser in tests/test_sglang_model.py), one EAGLE chain of K d
     --speculative-num-steps K --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1
 
 and ``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` in the environment, so that every
-process SGLang spawns (the schedulers load the draft) registers ``FastMTPForCausalLM``.
+process SGLang spawns (the schedulers load the draft) registers ``FastMTPForCausalLM``. ``--vocab``
+reaches the draft model class the same way, as ``FASTMTP_SGLANG_VOCAB``.
 ``launch/serve_sglang.sh`` is the same command as a script to read and adapt.
 """
 
@@ -30,6 +31,7 @@ __all__ = ["MODEL_PACKAGE", "build_launch_command", "format_command", "wait_for_
 
 MODEL_PACKAGE = "fastmtp_sglang.models"
 PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+VOCAB_ENV = "FASTMTP_SGLANG_VOCAB"  # read by fastmtp_sglang.models.compressed_projection
 
 # flags this command sets; passing them again in extra_args would silently fight ours
 _OWNED_FLAGS = (
@@ -39,7 +41,7 @@ _OWNED_FLAGS = (
 )
 # a FastMTP head is one module reused K times by the stock worker (DESIGN.md section 5)
 _REFUSED_FLAGS = {"--enable-multi-layer-eagle": "FastMTP reuses one head for every step"}
-_FULL_VOCAB = (None, "none", "full", "auto")
+_FULL_VOCAB = ("none", "full")
 
 
 def _flag_name(arg: str) -> str:
@@ -72,10 +74,12 @@ def build_launch_command(
     port, host : where the HTTP server listens
     extra_args : further SGLang flags, passed through unchanged (say ``--mem-fraction-static
         0.8``); must not repeat a flag this function sets
-    vocab : the draft vocabulary. None, ``"none"``, ``"full"`` and ``"auto"`` mean the full
-        vocabulary (``auto`` picks the draft's own tables once per-request compression runs
-        inside SGLang; until then it is the full vocabulary). SGLang's global
-        ``--speculative-token-map`` can be passed in ``extra_args``.
+    vocab : the draft vocabulary, picked per request inside SGLang (FASTMTP_SGLANG_VOCAB for the
+        draft model class). None: the draft directory's own tables (``fastmtp.vocab_tables``)
+        if it lists any, else the full vocabulary; ``"full"`` / ``"none"``: the full
+        vocabulary; ``"auto"``: the draft's tables, else the shipped tables for the target's
+        tokenizer; otherwise comma-separated table files or ``builtin:`` refs. SGLang's global
+        ``--speculative-token-map`` can be passed in ``extra_args`` (it replaces the tables).
 
     Returns
     -------
@@ -89,11 +93,10 @@ def build_launch_command(
     """
     if steps < 0:
         raise FastMTPError(f"--steps must be >= 0 (0 = no speculation), got {steps}")
-    if vocab not in _FULL_VOCAB:
-        raise FastMTPError(
-            f"--vocab {vocab!r}: the SGLang engine does not run per-request compressed "
-            "vocabularies yet; use --vocab full, pass SGLang's global "
-            "`--speculative-token-map FILE` after `--`, or serve with --engine reference")
+    if steps == 0 and vocab is not None and str(vocab).strip().lower() not in _FULL_VOCAB:
+        raise FastMTPError(f"--vocab {vocab}: a compressed draft vocabulary needs a draft "
+                           "(--steps > 0 and --draft DIR)")
+    vocab_env = _vocab_env(vocab) if steps > 0 else None
     extra = [str(a) for a in extra_args]
     clashes = sorted({_flag_name(a) for a in extra if _flag_name(a) in _OWNED_FLAGS})
     if clashes:
@@ -130,7 +133,36 @@ def build_launch_command(
                 f"Unset it, or install fastmtp-sglang so its sglang.srt.plugins entry point "
                 "registers FastMTPForCausalLM")
         env[PACKAGE_ENV] = MODEL_PACKAGE
+        if vocab_env is not None:
+            env[VOCAB_ENV] = vocab_env
     return argv + extra, env
+
+
+def _vocab_env(vocab: str | None) -> str | None:
+    """``--vocab`` as the value of FASTMTP_SGLANG_VOCAB (None: leave the draft's default)."""
+    if vocab is None:
+        return None
+    spec = str(vocab).strip()
+    if spec.lower() in _FULL_VOCAB:
+        return "full"
+    if spec.lower() == "auto":
+        return "auto"
+    from fastmtp_sglang.vocab import resolve_table_ref
+
+    refs = []
+    for ref in (r.strip() for r in spec.split(",")):
+        if not ref:
+            continue
+        path = resolve_table_ref(ref)  # raises for an unknown builtin: ref
+        if not ref.startswith("builtin:"):
+            if not path.is_file():
+                raise FastMTPError(f"--vocab: vocab table {ref} does not exist (give table files "
+                                   "or builtin:<tokenizer>/<lang>-<N> refs, full, or auto)")
+            ref = str(path.resolve())  # the scheduler processes may start elsewhere
+        refs.append(ref)
+    if not refs:
+        raise FastMTPError(f"--vocab {vocab!r}: no table given")
+    return ",".join(refs)
 
 
 def format_command(argv: list[str], env: dict[str, str] | None = None) -> str:

@@ -412,7 +412,7 @@ def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
     assert "sglang.launch_server" in out and "31234" in out
 
 
-def test_cli_reference_refuses_compressed_vocab(world, run_cli):
-    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--steps", "0",
-                         "--vocab", "en")
-    assert rc == 1 and "full" in err
+def test_cli_reference_refuses_a_missing_vocab_table(world, run_cli, tmp_path):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--draft",
+                         world[1], "--steps", "2", "--vocab", str(tmp_path / "nope.pt"))
+    assert rc == 1 and "nope.pt" in err

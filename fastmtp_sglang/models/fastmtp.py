@@ -20,10 +20,16 @@ Registration: ``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` (this modu
 Weights come from a draft directory (DESIGN.md section 4): exactly the tensors of
 ``fastmtp_sglang.head.FastMTPHead.state_dict()``; embedding and lm_head come from the target
 through :meth:`FastMTPForCausalLM.set_embed_and_head`.
+
+Compressed vocabulary: when the draft directory lists vocab tables (``fastmtp.vocab_tables``),
+``load_weights`` installs a :class:`~fastmtp_sglang.models.compressed_projection.CompressedProjection`
+in place of the lm_head: per request, logits over its language's table only, scattered into a
+full-width row of -inf (``$FASTMTP_SGLANG_VOCAB=full`` turns it off).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -57,6 +63,9 @@ from sglang.srt.utils.hf_transformers import get_rope_config
 from fastmtp_sglang.errors import DraftFormatError
 from fastmtp_sglang.draft_dir import check_tensors, expected_shapes
 from fastmtp_sglang.head import HeadConfig
+from fastmtp_sglang.models.compressed_projection import projection_for_draft
+
+logger = logging.getLogger(__name__)
 
 
 def head_config_of(config: PretrainedConfig) -> HeadConfig:
@@ -328,7 +337,12 @@ class FastMTPForCausalLM(nn.Module):
         input_embeds: Optional[torch.Tensor] = None,
     ) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
-        head = self.lm_head if self.draft_projection is None else self.draft_projection
+        head = self.lm_head
+        if self.draft_projection is not None:
+            head = self.draft_projection
+            prepare = getattr(head, "prepare", None)  # per-request table: update, select
+            if prepare is not None:
+                prepare(input_ids, forward_batch)
         return self.logits_processor(input_ids, hidden_states, head, forward_batch)
 
     # -- the target's embedding and lm_head ----------------------------------------------
@@ -340,8 +354,13 @@ class FastMTPForCausalLM(nn.Module):
 
         ``head`` may be truncated to ``[T, H]`` rows by SGLang's ``--speculative-token-map``:
         the logits are then ``[N, T]`` and the worker maps their indices back through its
-        ``hot_token_id``; a compressed-vocabulary projection is not combined with that.
+        ``hot_token_id``. The token map is the user's explicit choice: it replaces the
+        per-request tables (the projection is removed, with a warning).
         """
+        if head.shape[0] != self._full_head_rows and self.draft_projection is not None:
+            logger.warning("fastmtp: --speculative-token-map given: its one global table replaces "
+                           "the draft's per-request vocab tables")
+            self.set_draft_projection(None)
         del self.model.embed_tokens.weight
         del self.lm_head.weight
         self.model.embed_tokens.weight = embed
@@ -349,7 +368,7 @@ class FastMTPForCausalLM(nn.Module):
         current_platform.empty_cache()
         current_platform.synchronize()
 
-    def set_draft_projection(self, projection: Optional[nn.Module]) -> None:
+    def set_draft_projection(self, projection: Optional[object]) -> None:
         """Install (or remove, with None) the compressed-vocabulary projection.
 
         The seam of DESIGN.md section 5: ``projection`` is handed to SGLang's
@@ -357,7 +376,9 @@ class FastMTPForCausalLM(nn.Module):
         a ``weight`` attribute and a ``quant_method`` whose ``apply(layer, hidden [N, H],
         bias) -> logits [N, V_local]`` returns this rank's full vocabulary-shard width, -inf
         outside each row's table. Fixed width keeps the worker's argmax, the logits buffer and
-        CUDA graphs as they are; the TP all-gather then assembles the full row.
+        CUDA graphs as they are; the TP all-gather then assembles the full row. If it has a
+        ``prepare(input_ids, forward_batch)`` method, the forward calls it first (the
+        compressed projection picks each request's table there).
         """
         if projection is not None and self.lm_head.weight.shape[0] != self._full_head_rows:
             raise ValueError(
@@ -400,7 +421,22 @@ class FastMTPForCausalLM(nn.Module):
                 loaded.add(target)
         shared = {"model.embed_tokens.weight", "lm_head.weight"}
         assert loaded == set(params) - shared, sorted(set(params) - shared - loaded)
+        self.install_vocab_tables()
         return loaded
+
+    def install_vocab_tables(self, **kwargs) -> None:
+        """Install the compressed projection the draft's config (or ``$FASTMTP_SGLANG_VOCAB``)
+        asks for; none when it lists no tables. ``kwargs`` go to ``projection_for_draft``.
+
+        Not with DP attention: the logits processor then gathers other ranks' rows before the
+        lm_head, which a per-request table cannot index (the full head is kept, with a warning).
+        """
+        projection = projection_for_draft(self.config, self.lm_head, **kwargs)
+        if projection is not None and self.logits_processor.do_tensor_parallel_all_gather_dp_attn:
+            logger.warning("fastmtp: per-request vocab tables are not supported with DP attention; "
+                           "drafting over the full vocabulary")
+            projection = None
+        self.set_draft_projection(projection)
 
 
 def register_with_sglang() -> None:
