@@ -9,12 +9,12 @@
 #
 # Settings are the ones the committed results in bench/results/ were made with (budget: one
 # working session on 2 CPU cores). Environment overrides: N_PROMPTS (distilled prompts, default
-# 540), EPOCHS (default 1), PORT (default 30100). Every step resumes or reuses what exists.
+# 458), EPOCHS (default 3), PORT (default 30100). Every step resumes or reuses what exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${1:-runs/demo-pipeline}
-N_PROMPTS=${N_PROMPTS:-540}
-EPOCHS=${EPOCHS:-1}
+N_PROMPTS=${N_PROMPTS:-458}
+EPOCHS=${EPOCHS:-3}
 PORT=${PORT:-30100}
 BIN=${BIN:-.venv/bin}
 mkdir -p "$W"
@@ -41,17 +41,17 @@ if [[ ! -f $W/distill.done ]]; then
 fi
 
 common=(--target "$T" --init "$W/init" --data "$W/distill.jsonl" --epochs "$EPOCHS"
-        --batch-size 4 --max-len 512 --lr 3e-4 --vocab vocab_tables/smollm2/en-16384.pt)
+        --batch-size 4 --max-len 512 --lr 1e-3 --vocab vocab_tables/smollm2/en-16384.pt)
 [[ -f $W/vanilla/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --vanilla --out "$W/vanilla"
 [[ -f $W/fastmtp-k3/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --out "$W/fastmtp-k3"
 
 # every head on the same prompts (Spec-Bench, 1 per category), greedy, K=0..5, in one process each
 for head in init vanilla fastmtp-k3; do
     "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$W/$head" --steps 0,1,2,3,4,5 \
-        --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 96 \
+        --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 64 \
         --vocab full --label "SmolLM2-135M, $head head, full vocab" --out "$W/bench-$head"
 done
 "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$W/fastmtp-k3" --steps 0,3 \
-    --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 96 \
+    --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 64 \
     --vocab vocab_tables/smollm2/en-16384.pt --label "SmolLM2-135M, fastmtp-k3, en-16384" \
     --out "$W/bench-fastmtp-k3-en16384"

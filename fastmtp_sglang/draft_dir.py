@@ -196,6 +196,14 @@ def load_head(path: str | os.PathLike, embed: torch.nn.Module | None = None,
     return head.to(device=device, dtype=dtype).eval()
 
 
+def _make_readable(root: Path) -> None:
+    """Directories 0755 and files 0644, less the process umask (what a plain mkdir would give)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o755 if path.is_dir() else 0o644) & ~mask)
+
+
 @contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success."""
@@ -214,6 +222,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
         raise FastMTPError(f"cannot write into {parent}: {exc.strerror}") from None
     try:
         yield tmp
+        _make_readable(tmp)  # mkdtemp made it 0700: a served model directory is read by others
         if out.exists():  # overwrite: move the old one aside first so a crash keeps one of them
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
             os.replace(out, trash / out.name)
