@@ -50,8 +50,10 @@ def main() -> int:
     for name, r in runs:
         ov = r["results"]["overall"]
         kk = sorted(int(k) for k in ov)
-        a1.plot(kk, [ov[str(k)]["tau"] for k in kk], "o-", label=name)
-        a2.plot(kk, [ov[str(k)]["speedup"] for k in kk], "o-", label=name)
+        style = "o-" if kk == list(range(kk[0], kk[-1] + 1)) else "s"  # no line across gaps in K
+        kk_shown = [k for k in kk if k > 0] if style == "s" else kk
+        a1.plot(kk_shown, [ov[str(k)]["tau"] for k in kk_shown], style, label=name)
+        a2.plot(kk_shown, [ov[str(k)]["speedup"] for k in kk_shown], style, label=name)
     a1.set_xlabel("K"); a1.set_ylabel("tau"); a1.grid(alpha=0.3); a1.legend(fontsize=7)
     a2.axhline(1.0, color="grey", ls=":"); a2.set_xlabel("K"); a2.set_ylabel("speedup over K=0")
     a2.grid(alpha=0.3)
