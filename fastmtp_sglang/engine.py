@@ -126,9 +126,14 @@ class ReferenceEngine:
             self.validate(r)
         dev, K = self.device, self.steps
         rows = [_Row(r, i, K) for i, r in enumerate(requests)]
-        seed = next((r.params.seed for r in requests if r.params.seed is not None), None)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+        # one generator per request: a seeded request samples the same tokens whatever batch it
+        # shares (rows without a seed draw theirs from torch's global generator)
+        gens = []
+        for r in requests:
+            g_ = torch.Generator(device=dev)
+            g_.manual_seed(r.params.seed if r.params.seed is not None
+                           else int(torch.randint(0, 2**62, (1,)).item()))
+            gens.append(g_)
         greedy = all(r.params.is_greedy for r in requests)
         temp = torch.tensor([r.params.temperature for r in requests], device=dev)
         top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
@@ -139,7 +144,8 @@ class ReferenceEngine:
             if greedy:
                 return logits.argmax(-1), None
             probs = logits_to_probs(logits.float(), temp[rows_t], top_p[rows_t], top_k[rows_t])
-            return sample(probs, gen), probs
+            toks = torch.cat([sample(probs[i:i + 1], gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
+            return toks, probs
 
         def draft_pick(g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
@@ -233,7 +239,10 @@ class ReferenceEngine:
                                     top_p[active].repeat_interleave(K + 1),
                                     top_k[active].repeat_interleave(K + 1)).view(n, K + 1, -1)
                 q = torch.stack(qs, 1) if K else p.new_zeros(n, 0, p.shape[-1])
-                acc, emitted = verify_sampling(drafts, q, p, gen)
+                parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], gens[int(r)])
+                         for i, r in enumerate(active.tolist())]
+                acc = torch.cat([a for a, _ in parts])
+                emitted = torch.cat([e for _, e in parts])
             # -- 4. rollback: hide the slots of rejected drafts; crop what no row uses ------
             slot = torch.arange(K + 1, device=dev)[None]
             valid[:, -(K + 1):] = slot <= acc[:, None]

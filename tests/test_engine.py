@@ -194,8 +194,8 @@ def test_sampled_tokens_follow_the_target(steps):
         draft_marginal = p1 @ q
     n = 4000
     eng = ReferenceEngine(t, head, steps, max_context=16)
-    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=7))
-                        for _ in range(n)])
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=7 + i))
+                        for i in range(n)])  # one seed per request: each row has its own generator
     second = torch.tensor([r.output_ids[1] for r in res])
     emp = torch.bincount(second, minlength=v).float() / n
     tv = 0.5 * (emp - want).abs().sum().item()
@@ -204,3 +204,15 @@ def test_sampled_tokens_follow_the_target(steps):
     # 4000 samples over 12 tokens: sampling noise in TV is about 0.02-0.03
     assert tv < 0.05, f"total variation {tv:.3f} between emitted and target marginals"
     assert sum(r.metrics.verify_ct for r in res) >= n  # every row ran a verification cycle
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llama):
+    """Each request has its own generator: the same seed gives the same tokens alone or batched."""
+    t, head, _ = llama
+    eng = ReferenceEngine(t, head, 2)
+    mk = lambda p, s: Request(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=s))  # noqa: E731
+    alone = eng.generate([mk(PROMPTS[1], 7)])[0].output_ids
+    batched = eng.generate([mk(PROMPTS[0], 5), mk(PROMPTS[1], 7), mk(PROMPTS[2], 9)])[1].output_ids
+    assert alone == batched
+    other = eng.generate([mk(PROMPTS[1], 8)])[0].output_ids
+    assert other != alone  # the seed matters (12 sampled tokens over 97: a tie is ~impossible)

@@ -113,7 +113,7 @@ def test_sampling_with_compressed_q_is_lossless():
         want = p1 @ torch.softmax(t.model(both).logits[:, -1].float(), -1)
     n = 4000
     res = ReferenceEngine(t, head, 2, max_context=16, draft_vocab=vocab).generate(
-        [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=3)) for _ in range(n)])
+        [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=3 + i)) for i in range(n)])
     emp = torch.bincount(torch.tensor([r.output_ids[1] for r in res]), minlength=v).float() / n
     tv = 0.5 * (emp - want).abs().sum().item()
     assert tv < 0.05, f"total variation {tv:.3f}"
