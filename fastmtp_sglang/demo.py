@@ -13,7 +13,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from fastmtp_sglang.errors import FastMTPError
 
 SHIPPED_HEAD = "heads/smollm2-135m-fastmtp-k3"  # under fastmtp_sglang/data, when trained
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -237,8 +237,12 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
 
 def save_draft_dir(out: str | os.PathLike, config: dict[str, Any],
                    state_dict: dict[str, torch.Tensor], overwrite: bool = False,
-                   extra_files: dict[str, str] | None = None) -> Path:
-    """Validate and write a draft directory atomically. Tensors are stored in config's dtype."""
+                   extra_files: dict[str, str] | None = None,
+                   write_extra: Callable[[Path], None] | None = None) -> Path:
+    """Validate and write a draft directory atomically. Tensors are stored in config's dtype.
+
+    ``write_extra(tmp_dir)`` may add more files (the trainer's state) inside the same atomic write.
+    """
     head_cfg = HeadConfig.from_dict(config)
     check_tensors(expected_shapes(head_cfg), {k: tuple(v.shape) for k, v in state_dict.items()},
                   "the head's weights")
@@ -250,6 +254,8 @@ def save_draft_dir(out: str | os.PathLike, config: dict[str, Any],
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "fastmtp": "1"})
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
+            if write_extra is not None:
+                write_extra(tmp)
     except (OSError, SafetensorError) as exc:  # disk full, ...: atomic_dir removed its temp dir
         why = getattr(exc, "strerror", None) or exc
         raise FastMTPError(f"cannot write {out}: {why}; nothing was written") from None

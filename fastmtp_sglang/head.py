@@ -181,16 +181,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, cache: HeadKVCache | None,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, H] -> rotated q [B, n_heads, S, D], rotated k and v [B, n_kv, S, D]."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, cache: HeadKVCache | None,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
         if cache is not None:
             cache.write(positions, k, v)
             # keys [0, n): the furthest query position bounds what any row can see
@@ -219,12 +223,7 @@ class Attention(nn.Module):
         [B, S, H] and this call's own rotated (k, v), each [B, n_kv, S, D].
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self._qkv(x, cos, sin)
         keys = torch.cat([pk for pk, _ in past] + [k], dim=2) if past else k
         vals = torch.cat([pv for _, pv in past] + [v], dim=2) if past else v
         rep = self.n_heads // self.n_kv

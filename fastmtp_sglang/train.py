@@ -60,10 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastmtp_sglang.draft_dir import (CONFIG_NAME, WEIGHTS_NAME, atomic_dir, check_tensors,
-                                      expected_shapes, load_draft_dir)
+from fastmtp_sglang.draft_dir import load_draft_dir, save_draft_dir
 from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.head import FastMTPHead, HeadConfig
+from fastmtp_sglang.head import FastMTPHead
 
 LOSSES = ("ce", "kl", "ce+kl")
 ATTENTIONS = ("serve", "fastmtp")
@@ -654,23 +653,13 @@ def file_sha256(path: Path) -> str:
 
 def write_checkpoint(out: Path, config: dict[str, Any], state_dict: dict[str, torch.Tensor],
                      trainer_state: dict[str, Any], log_lines: list[str]) -> None:
-    """A draft directory plus trainer_state.pt and train_log.jsonl, atomically (replaces ``out``)."""
-    head_cfg = HeadConfig.from_dict(config)
-    check_tensors(expected_shapes(head_cfg), {k: tuple(v.shape) for k, v in state_dict.items()},
-                  "the head's weights")
-    from safetensors.torch import save_file
+    """A draft directory plus trainer_state.pt and train_log.jsonl, atomically (replaces ``out``;
+    a failed write leaves the previous checkpoint intact)."""
+    def extra(tmp: Path) -> None:
+        torch.save(trainer_state, tmp / STATE_NAME)
+        (tmp / LOG_NAME).write_text("".join(line + "\n" for line in log_lines))
 
-    dtype = getattr(torch, str(config.get("torch_dtype", "bfloat16")).replace("torch.", ""))
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state_dict.items()}
-    try:
-        with atomic_dir(out, overwrite=True) as tmp:
-            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "fastmtp": "1"})
-            torch.save(trainer_state, tmp / STATE_NAME)
-            (tmp / LOG_NAME).write_text("".join(line + "\n" for line in log_lines))
-    except OSError as exc:
-        raise FastMTPError(f"cannot write checkpoint {out}: {exc.strerror or exc}; the previous "
-                           "checkpoint is intact") from None
+    save_draft_dir(out, config, state_dict, overwrite=True, write_extra=extra)
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

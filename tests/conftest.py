@@ -7,8 +7,14 @@ Dimensions are deliberately awkward: GQA (4 query heads, 2 KV heads), head_dim 2
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -464,3 +470,36 @@ def run_cli(capsys):
         return rc, out, err
 
     return run
+
+
+@contextlib.contextmanager
+def reference_server(args: list[str], log_path: Path, startup_s: float = 90.0):
+    """Run `python -m fastmtp_sglang serve --engine reference ARGS --port 0` as a real process on
+    127.0.0.1; yield its URL once /health answers; terminate it on exit."""
+    from fastmtp_sglang import client
+
+    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
+           "--host", "127.0.0.1", "--port", "0", *args]
+    # one thread: the tiny models gain nothing from more, and the test process shares the cores
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url, deadline = None, time.monotonic() + startup_s
+        while url is None:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log_path.read_text()}")
+            else:
+                time.sleep(0.1)
+        client.wait_for_health(url, timeout=30, process=proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

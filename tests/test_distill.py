@@ -11,18 +11,14 @@ hand-made strings, and the retry logic against a small scripted HTTP server.
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import subprocess
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from conftest import reference_server
 from fastmtp_sglang import client
 from fastmtp_sglang.distill import (
     DistillConfig, Excluder, Job, Refused, ResponseFilter, Unreachable, distill, eval_texts,
@@ -72,31 +68,10 @@ def tokenizer(target_dir):
 def server(target_dir, tmp_path_factory):
     """URL of a `fastmtp serve --engine reference` subprocess (K=0); killed at teardown."""
     log_path = tmp_path_factory.mktemp("distill_log") / "server.log"
-    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
-           "--target", str(target_dir), "--steps", "0", "--host", "127.0.0.1", "--port", "0",
-           "--max-context", str(MAX_CONTEXT), "--max-batch", "8", "--batch-window-ms", "20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        url, deadline = None, time.monotonic() + STARTUP_S
-        while url is None:
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-            if m:
-                url = m.group(1)
-            elif proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log_path.read_text()}")
-            else:
-                time.sleep(0.1)
-        client.wait_for_health(url, timeout=30, process=proc)
+    args = ["--target", str(target_dir), "--steps", "0", "--max-context", str(MAX_CONTEXT),
+            "--max-batch", "8", "--batch-window-ms", "20"]
+    with reference_server(args, log_path, STARTUP_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def counts(url: str) -> tuple[int, int]:

@@ -10,11 +10,6 @@ sequential runs must agree token for token).
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import reference_server
 from fastmtp_sglang import client
 from fastmtp_sglang.errors import FastMTPError
 from fastmtp_sglang.server import BadRequest, parse_generate
@@ -101,33 +97,10 @@ def server(world, tmp_path_factory):
     """The URL of a `fastmtp serve --engine reference` subprocess; killed at teardown."""
     target, draft, _, _ = world
     log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
-    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
-           "--target", str(target), "--draft", str(draft), "--steps", str(STEPS),
-           "--host", "127.0.0.1", "--port", "0", "--max-context", str(MAX_CONTEXT),
-           "--max-batch", "8", "--batch-window-ms", "100"]
-    # one thread: the tiny model gains nothing from more, and the test process shares the cores
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        url, deadline = None, time.monotonic() + STARTUP_S
-        while url is None:
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-            if m:
-                url = m.group(1)
-            elif proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log_path.read_text()}")
-            else:
-                time.sleep(0.1)
-        client.wait_for_health(url, timeout=30, process=proc)
+    args = ["--target", str(target), "--draft", str(draft), "--steps", str(STEPS),
+            "--max-context", str(MAX_CONTEXT), "--max-batch", "8", "--batch-window-ms", "100"]
+    with reference_server(args, log_path, STARTUP_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
