@@ -8,9 +8,23 @@ Two back ends with one output format:
 - ``--url`` (repeatable): one server per K, ours or SGLang's (same ``/generate`` shape); each
   server's K comes from ``/server_info``. Tokens/s is completion tokens over end-to-end latency.
 
-Speedup = tokens/s at K / tokens/s at K=0 over the same prompts in the same run. Each timing is
-the median over ``repeats`` runs of the prompt set. Greedy runs also report how many outputs at
-K > 0 equal the K=0 output (exact in fp32; bf16 is not batch-shape invariant, DESIGN.md 6).
+Speedup = tokens/s at K / tokens/s at K=0 over the same prompts in the same run. Greedy runs also
+report how many outputs at K > 0 equal the K=0 output (exact in fp32; bf16 is not batch-shape
+invariant, docs/design.md section 6).
+
+Timing discipline (docs/design.md section 6: the first forwards of a process and of each new shape
+are many times slower, and a concurrent job on 2 cores swings ratios wildly):
+
+- an untimed **warm-up** runs one whole prompt at every K before anything is timed, so every
+  engine has seen the shapes the timed runs will see;
+- the **order of K rotates** from prompt to prompt (and repeat to repeat), so drift hits every K
+  alike;
+- ``repeats`` runs of the prompt set (default 3), tokens/s is the **median** over repeats;
+- a **sanity guard** (``timing_guard``) marks the run *contaminated* when the numbers break their
+  own physics: a speedup above ``tau * t0 / (t0 + draft ms per cycle)`` (a cycle verifies K+1
+  tokens, which costs at least one plain step t0, and drafts K), a verification of K+1 tokens
+  measured cheaper than a plain step, or tokens/s at one K varying across repeats by more than
+  ``max_spread``. A contaminated report shows no speedups, only the reasons.
 """
 
 from __future__ import annotations
@@ -33,8 +47,15 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
-    repeats: int = 1
+    repeats: int = 3
     seed: int = 0
+    warmup: bool = True
+    # Guard bounds. Spread: (max - min) / median of one K's tokens/s over repeats; idle runs of
+    # the demo measured 1-6%, runs beside a concurrent job 20-60%. Slack: how far a speedup may
+    # sit above its physical bound before the run is called contaminated (per-cycle costs are
+    # themselves measured, so a few percent of noise is expected).
+    max_spread: float = 0.15
+    slack: float = 0.10
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -44,6 +65,8 @@ class BenchConfig:
         self.steps = sorted(set(self.steps))
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
+        if not (self.max_spread > 0 and self.slack >= 0):
+            raise ValueError("max_spread must be > 0 and slack >= 0")
 
     def sampling_params(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -64,6 +87,7 @@ class Sample:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    repeat: int = 0
 
 
 def _group(samples: list[Sample], k: int, category: str | None) -> list[Sample]:
@@ -81,11 +105,12 @@ def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
                    A_k=None, a_k=None, accept_hist=None)
     per_rep = []
     for r in range(repeats):
-        part = group[r::repeats]
+        part = [s for s in group if s.repeat == r]
         toks = sum(s.completion_tokens - (1 if s.verify_ct else 0) for s in part)
         secs = sum(s.seconds for s in part)
         per_rep.append(toks / secs if secs > 0 else 0.0)
     out["tokens_per_s"] = statistics.median(per_rep)
+    out["tokens_per_s_repeats"] = per_rep
     out["completion_tokens"] = sum(s.completion_tokens for s in group) // repeats
     tot = sum(s.draft_s + s.verify_s for s in group)
     if tot > 0:
@@ -114,7 +139,65 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
             if grp:
                 same = sum(1 for s in grp if s.output_ids == base.get(s.prompt_id))
                 res["overall"][k]["same_output_as_k0"] = f"{same}/{len(grp)}"
+    res["timing_check"] = timing_guard(res, cfg)
     return res
+
+
+def rotated(steps: list[int], i: int) -> list[int]:
+    """The K order for the i-th (prompt, repeat): a rotation, so every K runs first as often."""
+    j = i % len(steps)
+    return steps[j:] + steps[:j]
+
+
+def _block_problems(block: dict[int, dict[str, Any]], cfg: BenchConfig, where: str) -> list[str]:
+    """Physics checks of one block (overall or one category): speedup bound, verify >= plain step."""
+    problems = []
+    base = block.get(0)
+    if not base or base["tokens_per_s"] <= 0:
+        return [f"{where}: no K=0 timing to compare against"]
+    t0 = 1000.0 / base["tokens_per_s"]  # ms per token of plain decoding (one 1-token step)
+    for k, r in block.items():
+        if k == 0 or not r.get("tau"):
+            continue
+        draft_ms = r.get("draft_ms_per_cycle")
+        bound = r["tau"] * t0 / (t0 + draft_ms) if draft_ms is not None else r["tau"]
+        if r["speedup"] > bound * (1 + cfg.slack):
+            what = f"tau {r['tau']:.2f}" + (f", draft {draft_ms:.1f} ms/cycle, plain step "
+                                            f"{t0:.1f} ms" if draft_ms is not None else "")
+            problems.append(f"{where} K={k}: speedup {r['speedup']:.2f}x exceeds the most "
+                            f"{what} allow ({bound:.2f}x)")
+        v, v0 = r.get("verify_ms_per_cycle"), base.get("verify_ms_per_cycle")
+        if v is not None and v0 and v < v0 * (1 - cfg.slack):
+            problems.append(f"{where} K={k}: verifying {k + 1} tokens took {v:.1f} ms, less than "
+                            f"the plain step's {v0:.1f} ms (the K=0 runs were slowed down)")
+    return problems
+
+
+def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
+    """Decide whether the run's timings can be reported (docs/design.md section 6).
+
+    Returns ``{"contaminated": bool, "problems": [str], "max_spread": float}``. Acceptance (tau,
+    A_k) never depends on timing and is reported either way.
+    """
+    problems = _block_problems(res["overall"], cfg, "all prompts")
+    for cat, block in res["categories"].items():
+        problems += _block_problems(block, cfg, f"category {cat}")
+    spreads = {}
+    for k, r in res["overall"].items():
+        reps = [x for x in r.get("tokens_per_s_repeats", []) if x > 0]
+        if len(reps) >= 2:
+            spread = (max(reps) - min(reps)) / statistics.median(reps)
+            spreads[k] = spread
+            if spread > cfg.max_spread:
+                problems.append(f"K={k}: tokens/s varied by {100 * spread:.0f}% across "
+                                f"{len(reps)} repeats (bound {100 * cfg.max_spread:.0f}%): "
+                                "something else was using the CPU")
+    if cfg.repeats < 2:
+        note = "one repeat: run-to-run variation not checked (use --repeats 3)"
+    else:
+        note = None
+    return {"contaminated": bool(problems), "problems": problems, "note": note,
+            "max_spread_measured": max(spreads.values()) if spreads else None}
 
 
 def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg: BenchConfig,
@@ -129,21 +212,30 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
     engines = {k: ReferenceEngine(target, head if k else None, k, max_context,
                                   draft_vocab=draft_vocab if k else None) for k in cfg.steps}
     samples: list[Sample] = []
-    total = len(prompts) * len(cfg.steps) * cfg.repeats
+    warm = len(cfg.steps) if cfg.warmup else 0
+    total = len(prompts) * len(cfg.steps) * cfg.repeats + warm
     with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:
+        if cfg.warmup:  # untimed: the first forwards of each shape are many times slower
+            bar.set_postfix_str("warm-up")
+            for k in cfg.steps:
+                engines[k].generate([Request(list(prompts[0][2]), SamplingParams(
+                    **{**cfg.sampling_params(), "seed": cfg.seed}), "warmup")])
+                bar.update(1)
+            bar.set_postfix_str("")
+        i = 0
         for rep in range(cfg.repeats):
             for pid, cat, ids in prompts:
-                for k in cfg.steps:
+                for k in rotated(cfg.steps, i):
                     params = SamplingParams(**{**cfg.sampling_params(), "seed": cfg.seed + rep})
                     r = engines[k].generate([Request(list(ids), params, pid)])[0]
                     m = r.metrics
                     samples.append(Sample(pid, cat, k, m.completion_tokens, m.decode_s, m.verify_ct,
                                           [c.accepted for c in m.cycles], r.output_ids,
                                           sum(c.draft_s for c in m.cycles),
-                                          sum(c.verify_s for c in m.cycles), m.prefill_s))
+                                          sum(c.verify_s for c in m.cycles), m.prefill_s, rep))
                     bar.update(1)
-    # stable sort: the repeats of one prompt stay in run order, so group[r::repeats] is repeat r
-    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id))
+                i += 1
+    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id, s.repeat))
     return samples
 
 
@@ -155,11 +247,18 @@ def run_urls(urls: dict[int, str], prompts: list[tuple[str, str, str]], cfg: Ben
     from fastmtp_sglang.client import generate
 
     samples: list[Sample] = []
-    total = len(prompts) * len(cfg.steps) * cfg.repeats
+    warm = len(cfg.steps) if cfg.warmup else 0
+    total = len(prompts) * len(cfg.steps) * cfg.repeats + warm
     with tqdm(total=total, desc="bench", unit="req", disable=not progress, file=sys.stderr) as bar:
+        if cfg.warmup:  # untimed, one whole prompt per server
+            for k in cfg.steps:
+                generate(urls[k], text=prompts[0][2], sampling_params=cfg.sampling_params())
+                bar.update(1)
+        i = 0
         for rep in range(cfg.repeats):
             for pid, cat, text in prompts:
-                for k in cfg.steps:
+                i += 1
+                for k in rotated(cfg.steps, i - 1):
                     t = time.perf_counter()
                     out = generate(urls[k], text=text, sampling_params=cfg.sampling_params())
                     dt = time.perf_counter() - t
@@ -173,9 +272,9 @@ def run_urls(urls: dict[int, str], prompts: list[tuple[str, str, str]], cfg: Ben
                     ct = int(meta.get("completion_tokens", 0))
                     samples.append(Sample(pid, cat, k, ct, float(meta.get("e2e_latency", dt)),
                                           int(meta.get("spec_verify_ct", ct if k == 0 else 0)),
-                                          accepted, list(out.get("output_ids") or [])))
+                                          accepted, list(out.get("output_ids") or []), repeat=rep))
                     bar.update(1)
-    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id))
+    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id, s.repeat))
     return samples
 
 
@@ -185,28 +284,59 @@ def _fmt_pct(xs: list[float] | None) -> str:
     return "/".join(f"{100 * x:.0f}" for x in xs) if xs else "-"
 
 
+def _ms(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.1f}" if r.get(key) is not None else "-"
+
+
+def contamination_text(check: dict[str, Any] | None) -> str | None:
+    """The words a user reads when a run's timings cannot be trusted (None when they can)."""
+    if not check or not check.get("contaminated"):
+        return None
+    return ("Timing is CONTAMINATED, so no speedup is reported: " + "; ".join(check["problems"])
+            + ". Acceptance (tau, A_k) does not depend on timing and stands. Rerun on an idle "
+            "machine (nothing else running), with --repeats 3 or more.")
+
+
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"# fastmtp bench: {meta.get('label', '')}", "",
+    check = results.get("timing_check")
+    bad = contamination_text(check)
+    lines = [f"# {meta.get('label', 'fastmtp bench')}", "",
              f"Command: `{meta.get('command', '')}`", "",
-             f"Target: `{meta.get('target')}`; draft: `{meta.get('draft')}`; "
+             f"Target: `{meta.get('target')}`; draft: `{meta.get('draft') or 'none'}`; "
              f"{meta.get('prompts')} prompts; max_new_tokens {meta['config']['max_new_tokens']}; "
              f"temperature {meta['config']['temperature']}; repeats {meta['config']['repeats']} "
-             f"(median); {meta.get('engine')}.", "",
-             "| K | tau | A_k (%) | a_k (%) | tok/s | speedup | draft ms/cycle | verify ms/cycle | same as K=0 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"(median); {meta.get('engine')}.", ""]
+    if bad:
+        lines += [f"**{bad}**", ""]
+    elif check:
+        spread = check.get("max_spread_measured")
+        lines += ["Timing check passed: every speedup is within what tau and the measured "
+                  "per-cycle costs allow" + (f"; tokens/s varied by at most {100 * spread:.1f}% "
+                                             "across repeats" if spread is not None else "")
+                  + (f" ({check['note']})" if check.get("note") else "") + ".", ""]
+    if meta.get("dtype") == "bfloat16" and results["overall"].get(0, {}).get("same_output_as_k0"):
+        lines += [BF16_NOTE, ""]
+    lines += ["| K | tau | A_k (%) | a_k (%) | tok/s | speedup | draft ms/cycle | verify ms/cycle | same as K=0 |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for k, r in results["overall"].items():
+        sp = "-" if bad else f"{r['speedup']:.2f}x"
         lines.append(
             f"| {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
-            f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
-            f"{r.get('draft_ms_per_cycle', 0):.1f} | {r.get('verify_ms_per_cycle', 0):.1f} | "
-            f"{r.get('same_output_as_k0', '-')} |")
-    lines += ["", "Per category (tau / speedup):", "",
+            f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
+            f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
+    lines += ["", "Per category (tau / speedup):" if not bad else "Per category (tau):", "",
               "| category | " + " | ".join(f"K={k}" for k in results["overall"]) + " |",
               "|---|" + "---|" * len(results["overall"])]
     for c, block in results["categories"].items():
         lines.append(f"| {c} | " + " | ".join(
-            f"{r['tau']:.2f} / {r['speedup']:.2f}x" for r in block.values()) + " |")
+            f"{r['tau']:.2f}" + ("" if bad else f" / {r['speedup']:.2f}x") for r in block.values()) + " |")
     return "\n".join(lines) + "\n"
+
+
+BF16_NOTE = ("\"same as K=0\" counts greedy outputs identical to plain decoding. In bfloat16 they "
+             "can differ without any loss: verifying K+1 tokens in one forward rounds differently "
+             "from one token at a time, so near-ties flip (docs/design.md section 6). The "
+             "verification itself is exact: rerun with --dtype float32 and every output is identical.")
 
 
 def plot(results: dict[str, Any], path: Path, title: str) -> bool:
@@ -226,7 +356,11 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
         a1.plot(ks, [block[k]["tau"] for k in ks], "-", alpha=0.35, lw=1)
     a1.set_xlabel("K (draft steps)"); a1.set_ylabel("tau (tokens / verification)")
     a1.legend(fontsize=8); a1.grid(alpha=0.3)
-    a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1")
+    if contamination_text(results.get("timing_check")):
+        a2.text(0.5, 0.5, "timing contaminated:\nno speedup reported", ha="center", va="center",
+                transform=a2.transAxes, color="C3")
+    else:
+        a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1")
     a2.axhline(1.0, color="grey", ls=":")
     a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")
     a2.grid(alpha=0.3)

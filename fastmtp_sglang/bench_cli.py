@@ -41,19 +41,19 @@ def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastmtp_sglang.bench import BenchConfig, run_in_process, run_urls, summarize, write_results
+    from fastmtp_sglang.bench import run_in_process, run_urls, summarize, write_results
 
-    cfg = BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature, args.top_p,
-                      args.top_k, args.repeats, args.seed)
+    cfg = config_from_args(args)
     meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "config": cfg.__dict__, "target": args.target, "draft": args.draft,
-            "label": args.label or Path(args.out).name}
+            "label": args.label or default_label(args, cfg)}
     if args.url:
         from transformers import AutoTokenizer
 
         from fastmtp_sglang.client import server_info
 
         urls: dict[int, str] = {}
+        drafts: dict[int, str] = {}
         for u in args.url:
             info = server_info(u)
             k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             if k in urls:
                 raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
             urls[k] = u
+            drafts[k] = str(info.get("speculative_draft_model_path") or info.get("draft_model_path")
+                            or "none")
         missing = [k for k in cfg.steps if k not in urls]
         if missing:
             raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
@@ -71,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(args.target)
         prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
         samples = run_urls(urls, [(i, c, t) for i, c, t, _ in prompts], cfg, not args.no_progress)
-        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items())))
+        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items()))
+                    + " (servers report no draft/verify time split)",
+                    draft=args.draft or "; ".join(f"K={k}: {d}" for k, d in sorted(drafts.items()) if k))
     else:
         from fastmtp_sglang.draft_dir import load_head
         from fastmtp_sglang.target import load_target, require_fits
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                                  not args.no_progress, draft_vocab=vocab)
         vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
         meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1, {vdesc}",
-                    vocab=None if vocab is None else vocab.tables.names)
+                    vocab=None if vocab is None else vocab.tables.names, dtype=args.dtype)
     meta["prompts"] = len(prompts)
     results = summarize(samples, cfg)
     write_results(Path(args.out), results, meta, samples)
@@ -102,7 +106,28 @@ def run(args: argparse.Namespace) -> int:
 
     print(markdown(results, meta))
     print(f"wrote {args.out}/results.json, results.md, results.png")
+    # a contaminated run is written (its acceptance numbers stand); the report says why its
+    # speedups are withheld, and so does results.json (timing_check)
     return 0
+
+
+def config_from_args(args: argparse.Namespace):
+    from fastmtp_sglang.bench import BenchConfig
+
+    try:
+        return BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature,
+                           args.top_p, args.top_k, args.repeats, args.seed,
+                           warmup=not args.no_warmup, max_spread=args.max_spread)
+    except ValueError as exc:
+        raise FastMTPError(str(exc)) from None
+
+
+def default_label(args: argparse.Namespace, cfg) -> str:
+    """A title a reader understands: what was run, not the output folder's name."""
+    target = Path(args.target).name if args.target else "server"
+    draft = Path(args.draft.rstrip("/")).name if args.draft else ("servers" if args.url else "no draft")
+    ks = ",".join(str(k) for k in cfg.steps)
+    return f"{target} + {draft}: K={ks}, {'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}"
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -112,8 +137,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")
     p.add_argument("--top-k", type=int, default=-1, help="top-k (default -1 = off)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of the prompt set; tokens/s is "
-                   "the median (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the prompt set; tokens/s is "
+                   "the median (default 3; with 1 the run-to-run check cannot run)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of one "
+                   "prompt at every K (timings then include first-call costs: not for publishing)")
+    p.add_argument("--max-spread", type=float, default=0.15, help="timing guard: largest allowed "
+                   "(max - min) / median of one K's tokens/s over repeats before the run is called "
+                   "contaminated (default 0.15)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="in-process target dtype (default bfloat16)")
@@ -129,8 +159,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="tau, acceptance and speedup across K",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", action="append", default=[], help="server URL, once per K (each "
-                   "server's K is read from /server_info); omit for in-process")
+    p.add_argument("--url", action="append", default=[], help="server URL, repeated: one "
+                   "server per K, K=0 (a server without speculation) included; each server's K is "
+                   "read from its /server_info. Omit for in-process")
     p.add_argument("--engine", choices=("reference",), default="reference",
                    help="in-process engine when no --url is given")
     p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")
@@ -141,6 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--category", action="append", default=None, help="only this category (repeatable)")
     p.add_argument("--raw", action="store_true", help="send prompts as they are, no chat template")
     p.add_argument("--out", required=True, help="output directory for results.json/.md/.png")
-    p.add_argument("--label", default=None, help="title for the report")
+    p.add_argument("--label", default=None, help="title for the report (default: target + draft, "
+                   "K values, decoding mode)")
     add_common(p)
     p.set_defaults(func=run)

@@ -42,7 +42,8 @@ def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastmtp_sglang.bench import BenchConfig, markdown, run_in_process, summarize, write_results
+    from fastmtp_sglang.bench import (BenchConfig, contamination_text, markdown, run_in_process,
+                                      summarize, write_results)
     from fastmtp_sglang.bench_cli import load_prompt_ids, parse_steps
     from fastmtp_sglang.demo_target import default_cache_dir, materialize_smollm2
     from fastmtp_sglang.draft_dir import load_head
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     log(f"demo: draft  {draft} ({what})")
     target = load_target(target_dir, dtype=args.dtype)
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
-    cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens)
+    cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens,
+                      repeats=args.repeats)
     prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
     from fastmtp_sglang.draft_vocab import resolve_vocab
 
@@ -73,8 +75,14 @@ def run(args: argparse.Namespace) -> int:
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp demo",
             "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
-            "prompts": len(prompts), "engine": f"reference engine, {args.dtype}, batch 1"}
+            "prompts": len(prompts), "engine": f"reference engine, {args.dtype}, batch 1",
+            "dtype": args.dtype}
     print(markdown(results, meta))
+    bad = contamination_text(results["timing_check"])
+    if bad:
+        print("demo: the speedups of this run are NOT shown: the machine was not quiet enough to "
+              "time it (" + "; ".join(results["timing_check"]["problems"]) + "). The acceptance "
+              "numbers (tau, A_k) stand. Close other programs and run `fastmtp demo` again.")
     if args.out:
         write_results(Path(args.out), results, meta, samples)
         print(f"wrote {args.out}/results.json, results.md, results.png")
@@ -97,5 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", default=None, help="draft vocabulary: the draft's tables if any "
                    "(default), full, auto "
                    "(shipped tables, per request) or table files")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of the prompt set; "
+                   "tokens/s is the median (default 3)")
     p.add_argument("--out", default=None, help="also write results.json/.md/.png here")
     p.set_defaults(func=run)

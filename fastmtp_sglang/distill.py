@@ -1,11 +1,19 @@
-"""`fastmtp distill`: self-distilled training data, the target's own responses via ``/generate``.
+"""`fastmtp distill`: self-distilled training data, the target's own responses.
 
-    fastmtp distill --url http://127.0.0.1:30000 --tokenizer T \\
+    # in-process on CPU (continuous batching, no server):
+    fastmtp distill --target T --batch-size 64 \\
         --prompts fastmtp_sglang/data/train_prompts/*.jsonl \\
         --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out data.jsonl
+    # through any SGLang-compatible server (SGLang on a GPU):
+    fastmtp distill --url http://127.0.0.1:30000 --tokenizer T --prompts ... --out data.jsonl
 
-Works against any SGLang-compatible server (``fastmtp serve --engine reference`` on CPU, SGLang on
-a GPU). The chat template is applied here, with the target's tokenizer (``--tokenizer``, else the
+Two engines, one output format. ``--target`` generates in this process with
+``fastmtp_sglang.batch_gen`` (a static KV cache of ``--batch-size`` slots, refilled as rows
+finish; each sample seeded as below; in fp32 the same tokens as ``fastmtp serve --engine
+reference`` gives for the same seed). ``--url`` sends ``/generate`` requests to a server
+(``fastmtp serve`` or SGLang).
+
+The chat template is applied here, with the target's tokenizer (``--tokenizer``, else the
 server's ``tokenizer_path`` when that is a local directory), and the templated prompt is sent as
 ``input_ids`` tokenized without special tokens: the template already wrote them, and SGLang
 tokenizing ``text`` itself would add a second BOS for templates that start with one. So
@@ -90,9 +98,12 @@ RESUME_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 @dataclass
 class DistillConfig:
-    url: str
+    url: str | None
     prompts: list[str]
     out: str
+    target: str | None = None     # in-process generation from this model directory (no --url)
+    batch_size: int = 64          # in-process: rows decoded together
+    dtype: str = "bfloat16"       # in-process: target dtype
     tokenizer: str | None = None
     target_name: str | None = None
     n: int = 1
@@ -127,6 +138,9 @@ class DistillConfig:
             (0 < self.max_repeat_fraction <= 1,
              f"--max-repeat-fraction must lie in (0, 1] (1 = off), got {self.max_repeat_fraction}"),
             (bool(self.prompts), "give at least one --prompts file"),
+            ((self.url is None) != (self.target is None),
+             "give either --url (a server) or --target (generate in this process), not both"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -405,9 +419,19 @@ def load_jsonl_repair(path: Path, required: tuple[str, ...] = ("id",)) -> tuple[
     return records, dropped
 
 
-def check_resume(records: list[dict], sampling: dict[str, Any], target: str, out: Path) -> None:
-    """Refuse to append to a file written with other settings or for another target."""
+def check_resume(records: list[dict], sampling: dict[str, Any], target: str, out: Path,
+                 render: Callable[[str], str] | None = None) -> None:
+    """Refuse to append to a file written with other settings or for another target.
+
+    ``render(prompt) -> templated text``: this run's chat template and system message; a record
+    whose ``prompt_text`` differs was written with another ``--system`` (or template)."""
     for rec in records[:1] + records[-1:]:
+        if render is not None and "prompt" in rec and "prompt_text" in rec:
+            if render(str(rec["prompt"])) != rec["prompt_text"]:
+                raise FastMTPError(
+                    f"{out} was written with another system message or chat template (its prompt "
+                    f"{rec.get('prompt_id')!r} was rendered differently): use another --out, or "
+                    "the same --system to resume")
         sp = rec.get("sampling_params") or {}
         diff = {k: (sp.get(k), sampling[k]) for k in RESUME_KEYS if sp.get(k) != sampling[k]}
         if diff:
@@ -503,6 +527,12 @@ class Stats:
     lines_in_output: int = 0
     aborted: str | None = None
     seconds: float = 0.0
+    engine: str = ""
+    generate_seconds: float = 0.0  # from the first request to the last result
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
     def summary(self) -> str:
         d = self.dropped
@@ -520,7 +550,8 @@ class Stats:
             f"truncated (finish_reason length): {self.truncated} this run, "
             f"{self.truncated_kept} of them kept",
             f"output: {self.lines_in_output} lines, {self.completion_tokens} response tokens "
-            f"this run, {self.seconds:.1f} s",
+            f"this run, {self.seconds:.1f} s ({self.tokens_per_s:.1f} response tokens/s while "
+            f"generating; {self.engine})",
         ]
         for title, items in (("bad prompt lines", self.bad_prompt_line_list),
                              ("excluded (overlap with --exclude files)", self.excluded_ids),
@@ -616,16 +647,22 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     if not prompts:
         raise FastMTPError("no prompts left to distil" + (f" ({len(bad)} bad lines skipped)" if bad else ""))
 
-    try:
-        info = client.server_info(cfg.url, timeout=min(cfg.timeout, 60))
-    except FastMTPError:
-        if cfg.target_name is None or cfg.tokenizer is None:
-            raise
-        info = {}
-    target = cfg.target_name or info.get("model_path") or info.get("tokenizer_path")
-    if not target:
-        raise FastMTPError(f"{cfg.url}/server_info names no model_path; give --target-name")
-    tokenizer = _load_tokenizer(cfg, info)
+    if cfg.target is not None:
+        backend: _Backend = _LocalBackend(cfg, log)
+        target, tokenizer = cfg.target_name or cfg.target, backend.tokenizer
+    else:
+        try:
+            info = client.server_info(cfg.url, timeout=min(cfg.timeout, 60))
+        except FastMTPError:
+            if cfg.target_name is None or cfg.tokenizer is None:
+                raise
+            info = {}
+        target = cfg.target_name or info.get("model_path") or info.get("tokenizer_path")
+        if not target:
+            raise FastMTPError(f"{cfg.url}/server_info names no model_path; give --target-name")
+        tokenizer = _load_tokenizer(cfg, info)
+        backend = _HttpBackend(cfg)
+    stats.engine = backend.describe
 
     out.parent.mkdir(parents=True, exist_ok=True)
     records, damaged = load_jsonl_repair(out)
@@ -636,7 +673,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     for d in damaged_rej:
         log(f"fastmtp distill: {rejected_path(out)}: dropped damaged {d}")
     base_sp = cfg.sampling_params()
-    check_resume(records, base_sp, target, out)
+    check_resume(records, base_sp, target, out, lambda text: render_chat(tokenizer, text, cfg.system))
     done = {r["id"] for r in records}
     done_rejected = {r["id"] for r in rejected}
     filt = ResponseFilter(cfg.max_repeat_fraction, cfg.drop_truncated)
@@ -679,8 +716,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     # the output's order, and which of two identical samples is kept (the lower index), do not
     # depend on timing. Bounded: `window` requests in flight, at most 4 windows of finished
     # results waiting behind a slow one.
-    window = 2 * cfg.concurrency
-    pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="distill")
+    window = backend.window
     pending: dict[Future, int] = {}
     results: dict[int, tuple[str, Any]] = {}
     listed_refused: set[str] = set()
@@ -716,6 +752,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
         lines_in_output += 1
         stats.completion_tokens += rec["completion_tokens"]
 
+    backend.prepare(jobs)
+    t_gen = time.monotonic()
     with open(out, "a", encoding="utf-8") as fout, \
             open(rejected_path(out), "a", encoding="utf-8") as frej, \
             tqdm(total=len(jobs), desc="distill", unit="sample", disable=not cfg.progress,
@@ -729,8 +767,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
                     if job.prompt.id in refused_prompts:
                         results[next_submit] = ("skipped", None)
                     else:
-                        pending[pool.submit(request_with_retries, cfg.url, job, cfg.retries,
-                                            cfg.backoff, cfg.timeout)] = next_submit
+                        pending[backend.submit(job)] = next_submit
                         stats.requested += 1
                     next_submit += 1
                 if next_write not in results:
@@ -744,28 +781,156 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
                             refused_prompts.add(jobs[i].prompt.id)
                         except client.ServerError as exc:
                             results[i] = ("failed", str(exc))
+                        except GeneratorStopped:
+                            raise
                 while next_write in results:
                     handle(jobs[next_write], *results.pop(next_write))
                     next_write += 1
                     bar.update(1)
+                    stats.generate_seconds = time.monotonic() - t_gen
                 bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
                                 refused=stats.refused, refresh=False)
         except Unreachable as exc:
             stats.aborted = f"{cfg.url} unreachable after {cfg.retries} retries: {exc}"
+        except GeneratorStopped as exc:
+            stats.aborted = str(exc)
         except KeyboardInterrupt:
             stats.aborted = "interrupted"
-            pool.shutdown(wait=False, cancel_futures=True)
+            backend.shutdown(wait=False)
             finish()
             raise
         finally:
             # normal end: nothing pending; an abort: drop queued requests, leave in-flight ones
             # to finish on their own (their results are not written: a rerun requests them again)
-            pool.shutdown(wait=not pending, cancel_futures=True)
+            backend.shutdown(wait=not pending)
     finish()
     if stats.aborted:
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
                            "the same command to resume")
     return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# engines: a server over HTTP, or the in-process slot generator
+# ----------------------------------------------------------------------------------------------
+
+class GeneratorStopped(Exception):
+    """The in-process generator failed as a whole (not one request's fault)."""
+
+
+class _Backend:
+    window: int       # requests in flight
+    describe: str
+
+    def prepare(self, jobs: list[Job]) -> None:
+        """Called once with every job of the run, before the first submit."""
+
+    def submit(self, job: Job) -> Future:
+        """A Future of (the server-shaped reply, retries used); raises Refused / ServerError."""
+        raise NotImplementedError
+
+    def shutdown(self, wait: bool) -> None:
+        raise NotImplementedError
+
+
+class _HttpBackend(_Backend):
+    def __init__(self, cfg: DistillConfig):
+        self.cfg = cfg
+        self.window = 2 * cfg.concurrency
+        self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="distill")
+        self.describe = f"server {cfg.url}, {cfg.concurrency} requests in flight"
+
+    def submit(self, job: Job) -> Future:
+        c = self.cfg
+        return self.pool.submit(request_with_retries, c.url, job, c.retries, c.backoff, c.timeout)
+
+    def shutdown(self, wait: bool) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+
+
+class _LocalBackend(_Backend):
+    """The target in this process, ``batch_size`` rows decoding at once (fastmtp_sglang.batch_gen)."""
+
+    def __init__(self, cfg: DistillConfig, log: Callable[[str], None]):
+        from fastmtp_sglang.batch_gen import SlotGenerator
+        from fastmtp_sglang.target import load_target
+
+        log(f"fastmtp distill: loading {cfg.target} ({cfg.dtype}) for in-process generation")
+        self.t = load_target(cfg.target, dtype=cfg.dtype)
+        self.tokenizer = self.t.tokenizer
+        if self.tokenizer is None:
+            raise FastMTPError(f"target {cfg.target} has no tokenizer")
+        self.cfg, self.log = cfg, log
+        self.window = 2 * cfg.batch_size
+        self.describe = f"in-process {cfg.target}, {cfg.dtype}, batch {cfg.batch_size}"
+        self.worker = None
+
+    def prepare(self, jobs: list[Job]) -> None:
+        from fastmtp_sglang.batch_gen import SlotGenerator, kv_cache_bytes
+
+        if not jobs:
+            return
+        max_pos = int(self.t.config.get("max_position_embeddings", 4096))
+        # positions per slot: the longest prompt of the run plus the response (a longer prompt
+        # than the context is refused per request by the generator)
+        max_len = min(max_pos, max(len(j.prompt_ids) for j in jobs) + self.cfg.max_new_tokens + 1)
+        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len,
+                              next(self.t.model.parameters()).element_size())
+        avail = _available_memory()
+        if avail is not None and need > 0.7 * avail:
+            raise FastMTPError(
+                f"the KV cache for --batch-size {self.cfg.batch_size} x {max_len} positions needs "
+                f"{need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB are available: lower "
+                "--batch-size or --max-new-tokens")
+        self.gen = SlotGenerator(self.t, self.cfg.batch_size, max_len)
+        self.log(f"fastmtp distill: {self.cfg.batch_size} slots x {max_len} positions, KV cache "
+                 f"{self.gen.cache_bytes / 2**30:.2f} GiB")
+        self.worker = self.gen.start()
+
+    def submit(self, job: Job) -> Future:
+        from fastmtp_sglang.batch_gen import GenRequest
+        from fastmtp_sglang.sampling import SamplingParams
+
+        outer: Future = Future()
+        try:
+            params = SamplingParams.from_dict(dict(job.sampling_params))
+            inner = self.worker.submit(GenRequest(job.prompt_ids, params))
+        except RuntimeError as exc:
+            raise GeneratorStopped(str(exc)) from None
+        except ValueError as exc:
+            outer.set_exception(Refused(str(exc)))
+            return outer
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                r = f.result()
+                outer.set_result(({"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                                   "output_ids": r.output_ids,
+                                   "meta_info": {"finish_reason": r.finish_reason,
+                                                 "completion_tokens": len(r.output_ids)}}, 0))
+            elif isinstance(exc, ValueError):  # this prompt's fault: too long, bad parameters
+                outer.set_exception(Refused(str(exc)))
+            else:
+                outer.set_exception(GeneratorStopped(f"in-process generation failed: {exc!r}"))
+
+        inner.add_done_callback(done)
+        return outer
+
+    def shutdown(self, wait: bool) -> None:
+        if self.worker is not None:
+            self.worker.close(wait=wait)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -775,6 +940,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
 def run(args: argparse.Namespace) -> int:
     cfg = DistillConfig(
         url=args.url, prompts=args.prompts, out=args.out, tokenizer=args.tokenizer,
+        target=args.target, batch_size=args.batch_size, dtype=args.dtype,
         target_name=args.target_name, n=args.n, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
         retries=args.retries, backoff=args.backoff, timeout=args.timeout,
@@ -794,9 +960,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("distill", help="self-distilled training data from a server's /generate",
+    p = sub.add_parser("distill", help="self-distilled training data: the target's own responses",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True, help="SGLang-compatible server, e.g. http://127.0.0.1:30000")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="SGLang-compatible server, e.g. http://127.0.0.1:30000")
+    src.add_argument("--target", help="generate in this process from this model directory "
+                     "(continuous batching on CPU; no server)")
+    p.add_argument("--batch-size", type=int, default=64, help="with --target: rows decoded "
+                   "together (default 64; 2-core CPU, 135M model: 64 is ~8x faster than 1)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="with --target: model dtype (default bfloat16)")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="prompt files (JSONL: training {id, source, prompt}, Spec-Bench, C-Eval, "
                         "{prompt|text})")
@@ -810,7 +983,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=20, help="top-k tokens; -1 = off")
     p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit in tokens")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--concurrency", type=int, default=8, help="with --url: requests in flight (default 8)")
     p.add_argument("--retries", type=int, default=4,
                    help="retries per request on connection errors, timeouts and 5xx; 0 = none")
     p.add_argument("--backoff", type=float, default=1.0,

@@ -435,3 +435,46 @@ def test_config_validation():
         DistillConfig(url="u", prompts=["p"], out="o", max_repeat_fraction=0)
     assert sample_seed(0, "p", 0) == sample_seed(0, "p", 0) != sample_seed(0, "p", 1)
     assert rejected_path(Path("x/d.jsonl")) == Path("x/d.jsonl.rejected.jsonl")
+
+
+# --------------------------------------------------------------------------------------------
+# in-process generation (--target): same data as through the server
+# --------------------------------------------------------------------------------------------
+
+def test_in_process_equals_server(server, target_dir, tmp_path):
+    """fp32, seeded sampling, n=2 (siblings share one prefill), batch 3 with refill: every line
+    equals what the reference server wrote for the same settings, the same filters apply, and
+    the file resumes across engines."""
+    kw = dict(temperature=0.6, n=2, max_repeat_fraction=1.0, concurrency=1)
+    via_http = make_cfg(server, target_dir, tmp_path, out="http.jsonl", **kw)
+    distill(via_http, log=lambda s: None)
+    local = make_cfg(None, target_dir, tmp_path, out="local.jsonl", target=str(target_dir),
+                     target_name=server_target(server), batch_size=3, dtype="float32", **kw)
+    stats = distill(local, log=lambda s: None)
+    a, b = read_lines(Path(via_http.out)), read_lines(Path(local.out))
+    assert [r["id"] for r in a] == [r["id"] for r in b]
+    assert a == b
+    assert stats.refused == 2 and "in-process" in stats.engine  # the over-long prompt, both samples
+    # resume across engines: nothing left to do
+    again = distill(make_cfg(server, target_dir, tmp_path, out="local.jsonl", **kw), log=lambda s: None)
+    assert again.written == 0 and again.already_done == len(b)  # (the refused prompt is retried)
+
+
+def server_target(url: str) -> str:
+    return client.server_info(url)["model_path"]
+
+
+def test_resume_refuses_another_system_message(target_dir, tmp_path):
+    cfg = make_cfg(None, target_dir, tmp_path, target=str(target_dir), batch_size=2, limit=1,
+                   dtype="float32", max_new_tokens=3)
+    distill(cfg, log=lambda s: None)
+    other = DistillConfig(**{**cfg.__dict__, "system": "You are terse."})
+    with pytest.raises(FastMTPError, match="another system message"):
+        distill(other, log=lambda s: None)
+
+
+def test_url_or_target_not_both(target_dir, tmp_path):
+    with pytest.raises(FastMTPError, match="either --url"):
+        make_cfg("http://127.0.0.1:9", target_dir, tmp_path, target=str(target_dir))
+    with pytest.raises(FastMTPError, match="either --url"):
+        make_cfg(None, target_dir, tmp_path)
