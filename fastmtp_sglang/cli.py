@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "fastmtp_sglang.bench_cli",
     "fastmtp_sglang.demo",
     "fastmtp_sglang.distill",
+    "fastmtp_sglang.features",
     "fastmtp_sglang.train",
     "fastmtp_sglang.vocab_cli",
 ]

@@ -6,8 +6,8 @@
 
 The target (with its embedding and lm_head) is frozen and shared; only the head trains.
 
-**Train as you serve** (DESIGN.md section 2, "Where FastMTP's own training disagrees with
-serving"). For a sequence x_0..x_{T-1} with the target's post-norm hidden states h_0..h_{T-1},
+**Train as you serve** (docs/design.md section 3, where FastMTP's own training disagrees with
+serving). For a sequence x_0..x_{T-1} with the target's post-norm hidden states h_0..h_{T-1},
 anchor j runs K steps:
 
 - step 1: input (h_j, x_{j+1}) at position j, predicts x_{j+2};
@@ -104,6 +104,7 @@ class TrainConfig:
     save_every: int = 0               # optimizer steps between checkpoints; 0 = each epoch only
     halt_after_steps: int | None = None  # stop (and checkpoint) after this many optimizer steps
     cache_hidden_gb: float = 2.0      # memory for caching the target's hidden states; 0 = off
+    kl_topk: int = 0                  # KL to the target's top-k from the feature cache; 0 = exact
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
@@ -142,6 +143,8 @@ class TrainConfig:
             bad.append(f"halt_after_steps must be >= 1, got {self.halt_after_steps}")
         if self.cache_hidden_gb < 0:
             bad.append(f"cache_hidden_gb must be >= 0, got {self.cache_hidden_gb}")
+        if self.kl_topk < 0:
+            bad.append(f"kl_topk must be >= 0 (0 = exact KL from the hidden states), got {self.kl_topk}")
         if bad:
             raise FastMTPError("bad training configuration: " + "; ".join(bad))
 
@@ -158,7 +161,7 @@ class TrainConfig:
 # fields that must not change when a run resumes (they decide data order, schedule and maths)
 RESUME_FIXED = ("steps", "beta", "vanilla", "attention", "loss", "lr", "warmup", "adam_betas",
                 "weight_decay", "grad_clip", "epochs", "max_len", "batch_size", "grad_accum",
-                "heldout_fraction", "max_sequences", "seed")
+                "heldout_fraction", "max_sequences", "seed", "kl_topk")
 
 
 def step_weights(steps: int, beta: float) -> list[float]:
@@ -277,23 +280,53 @@ class Projection:
 
 
 def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Tensor,
-                 target_h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE sum over in-table labels, KL sum, correct count) of one chunk. g [N, H], labels [N]."""
+                 target_h: torch.Tensor | None, topk_ids: torch.Tensor | None = None,
+                 topk_logp: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE sum over in-table labels, KL sum, correct count) of one chunk. g [N, H], labels [N].
+
+    KL is exact from ``target_h`` [N, H] (the target's logits recomputed), or, with ``topk_ids``
+    / ``topk_logp`` [N, k] from the feature cache, the KL of the two distributions coarsened to
+    {the target's top-k tokens, everything else} (kl_topk_terms)."""
     logits = proj(g)                                                        # [N, S]
     zero = logits.new_zeros(())
     ce = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") if "ce" in kind else zero
     kl = zero
     if "kl" in kind:
-        with torch.no_grad():
-            logp_t = F.log_softmax(proj(target_h), dim=-1)                  # [N, S]
         logq = F.log_softmax(logits, dim=-1)
-        kl = (logp_t.exp() * (logp_t - logq)).sum()
+        if topk_ids is not None:
+            kl = kl_topk_terms(logq, proj.labels(topk_ids), topk_logp).sum()
+        else:
+            with torch.no_grad():
+                logp_t = F.log_softmax(proj(target_h), dim=-1)              # [N, S]
+            kl = (logp_t.exp() * (logp_t - logq)).sum()
     correct = (logits.detach().argmax(-1) == labels).sum()
     return ce, kl, correct
 
 
+def kl_topk_terms(logq: torch.Tensor, cols: torch.Tensor, logp: torch.Tensor,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """KL(p || q) per row over the partition {top-k tokens of p} + {the rest}.
+
+    logq [N, S] the draft's log-probabilities; cols [N, k] the target's top-k tokens as logit
+    columns (-1: outside a compressed table, so the draft cannot score it: it joins "the rest");
+    logp [N, k] the target's log-probabilities of those tokens (over the full vocabulary).
+    Coarsening never increases a KL, so this is a lower bound of the exact one that is tight when
+    the top-k hold the target's mass (k=32 holds >0.99 of it at most positions of a chat model).
+    Returns [N].
+    """
+    inside = cols >= 0
+    p = logp.exp() * inside                                                 # [N, k]
+    lq = logq.gather(-1, cols.clamp(min=0))                                 # [N, k]
+    top = (p * (logp - lq)).sum(-1)
+    rest_p = (1 - p.sum(-1)).clamp(min=eps)
+    rest_q = (1 - (lq.exp() * inside).sum(-1)).clamp(min=eps)
+    return top + rest_p * (rest_p.log() - rest_q.log())
+
+
 def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
-                    target_h: torch.Tensor | None = None, kind: str = "ce", chunk: int = 1024
+                    target_h: torch.Tensor | None = None, kind: str = "ce", chunk: int = 1024,
+                    topk: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's loss sums over N selected positions, in chunks of ``chunk`` rows.
 
@@ -306,13 +339,16 @@ def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
     Returns (CE sum, KL sum, number of argmax hits), each a 0-d tensor.
     """
     n = g.shape[0]
+    ti, tl = topk if topk is not None else (None, None)
     if chunk <= 0 or n == 0:
-        return _chunk_terms(proj, kind, g, labels, target_h)
+        return _chunk_terms(proj, kind, g, labels, target_h, ti, tl)
     ce = kl = g.new_zeros((), dtype=torch.float32)
     correct = torch.zeros((), dtype=torch.long, device=g.device)
     for s in range(0, n, chunk):
         th = target_h[s:s + chunk] if target_h is not None else None
         c, k, hit = checkpoint(_chunk_terms, proj, kind, g[s:s + chunk], labels[s:s + chunk], th,
+                               ti[s:s + chunk] if ti is not None else None,
+                               tl[s:s + chunk] if tl is not None else None,
                                use_reentrant=False)
         ce, kl, correct = ce + c, kl + k, correct + hit
     return ce, kl, correct
@@ -325,6 +361,8 @@ class Batch:
     loss_mask: torch.Tensor   # [B, T] bool: position t holds a response token of the sequence
     lengths: torch.Tensor     # [B]
     prompt_lens: torch.Tensor  # [B]
+    topk_ids: torch.Tensor | None = None   # [B, T, k] the target's top-k next tokens at each position
+    topk_logp: torch.Tensor | None = None  # [B, T, k] their log-probabilities
 
 
 def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, weights: list[float],
@@ -347,8 +385,12 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
     for k, (g, w) in enumerate(zip(gs, weights), start=1):
         sel = shift_left(batch.loss_mask, k + 1, False)                    # target x_{j+k+1} scored
         lab = proj.labels(shift_left(labels, k + 1)[sel])                  # [N]
-        th = shift_left(batch.hidden, k)[sel] if "kl" in kind else None     # h_{j+k} predicts x_{j+k+1}
-        ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk)
+        th = tk = None
+        if "kl" in kind and batch.topk_ids is not None:                     # cached top-k at j+k
+            tk = (shift_left(batch.topk_ids, k)[sel], shift_left(batch.topk_logp, k)[sel])
+        elif "kl" in kind:
+            th = shift_left(batch.hidden, k)[sel]                           # h_{j+k} predicts x_{j+k+1}
+        ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
         n = int(sel.sum())
         n_in = int((lab >= 0).sum())
         lk = ce / max(n_in, 1) + kl / max(n, 1)
@@ -569,12 +611,16 @@ class HiddenStates:
         return h
 
 
-def collate(examples: list[Example], hiddens: list[torch.Tensor], device: torch.device) -> Batch:
+def collate(examples: list[Example], hiddens: list[torch.Tensor], device: torch.device,
+            topks: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Batch:
+    """Right-padded batch. Cached hidden states (bf16 on disk) are widened to fp32: the head
+    trains in fp32."""
     b = len(examples)
     t = max(len(e.ids) for e in examples)
     h = hiddens[0].shape[-1]
     ids = torch.zeros(b, t, dtype=torch.long, device=device)
-    hidden = torch.zeros(b, t, h, dtype=hiddens[0].dtype, device=device)
+    hdt = torch.float32 if hiddens[0].dtype in (torch.bfloat16, torch.float16) else hiddens[0].dtype
+    hidden = torch.zeros(b, t, h, dtype=hdt, device=device)
     lengths = torch.tensor([len(e.ids) for e in examples], device=device)
     prompt_lens = torch.tensor([e.prompt_len for e in examples], device=device)
     for i, (e, hs) in enumerate(zip(examples, hiddens)):
@@ -582,7 +628,15 @@ def collate(examples: list[Example], hiddens: list[torch.Tensor], device: torch.
         hidden[i, : len(e.ids)] = hs
     ar = torch.arange(t, device=device)[None]
     mask = (ar >= prompt_lens[:, None]) & (ar < lengths[:, None])
-    return Batch(ids, hidden, mask, lengths, prompt_lens)
+    tk_ids = tk_lp = None
+    if topks is not None:
+        k = topks[0][0].shape[-1]
+        tk_ids = torch.zeros(b, t, k, dtype=torch.long, device=device)
+        tk_lp = torch.full((b, t, k), -30.0, dtype=torch.float32, device=device)
+        for i, (ti, tl) in enumerate(topks):
+            tk_ids[i, : len(ti)] = ti.to(device)
+            tk_lp[i, : len(tl)] = tl.to(device)
+    return Batch(ids, hidden, mask, lengths, prompt_lens, tk_ids, tk_lp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -693,7 +747,9 @@ def _freeze(target) -> None:
 
 def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str | Path | None = None,
           resume: str | Path | None = None, vocab_ids: torch.Tensor | None = None,
-          vocab_name: str | None = None, overwrite: bool = False, progress: bool = True
+          vocab_name: str | None = None, overwrite: bool = False, progress: bool = True,
+          allow_base_mismatch: bool = False, features: str | Path | None = None,
+          target_dir: str | Path | None = None, feature_dtype: str = "bfloat16"
           ) -> TrainResult:
     """Train a FastMTP head; returns where the final checkpoint is and the log.
 
@@ -706,6 +762,10 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     init : draft directory to start from (ignored with ``resume``).
     resume : a checkpoint this function wrote; training continues exactly where it stopped.
     vocab_ids : optional [S] compressed vocabulary the loss uses (``vocab_name`` is recorded).
+    features : a feature cache directory (fastmtp_sglang.features): the target's hidden states
+        (and top-k logits for ``cfg.kl_topk``) are read from it, built there first when missing
+        (needs ``target_dir``, the target's directory, for the weights hash). A resumed run
+        reuses the cache its checkpoint names.
     """
     from fastmtp_sglang.target import require_fits
 
@@ -724,7 +784,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
                                + "; ".join(diff))
     src = Path(resume) if resume is not None else Path(init)  # type: ignore[arg-type]
     draft = load_draft_dir(src)
-    require_fits(draft.config, target.config, where=str(src))
+    require_fits(draft.config, target.config, target.tokenizer, where=str(src),
+                 allow_base_mismatch=allow_base_mismatch)
     _freeze(target)
     device = next(target.model.parameters()).device
 
@@ -746,7 +807,32 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     if not train_idx:
         raise FastMTPError(f"{data}: no usable training rows ({counts.lines} lines, "
                            f"{counts.skipped()} skipped: {asdict(counts)})")
-    hidden_fn = HiddenStates(target.model, cfg.cache_hidden_gb * 1e9)
+    if state is not None and state.get("features"):
+        if features is None and Path(state["features"]).is_dir():
+            features = state["features"]
+        feature_dtype = state.get("feature_dtype") or feature_dtype  # the cache's, not the default
+    if cfg.kl_topk and features is None:
+        raise FastMTPError("--kl-topk reads the target's top-k logits from a feature cache: pass "
+                           "--features DIR")
+    store = None
+    if features is not None:
+        from fastmtp_sglang.features import open_or_build
+
+        if target_dir is None:
+            raise FastMTPError("a feature cache needs the target's directory (target_dir)")
+        need_topk = cfg.kl_topk if "kl" in cfg.loss else 0
+        store = open_or_build(target, target_dir, data, examples, features, cfg.max_len,
+                              cfg.max_sequences, feature_dtype, need_topk, progress)
+        if len(store) != len(examples):
+            raise FastMTPError(f"feature cache {features} holds {len(store)} sequences, the data "
+                               f"{len(examples)}: rebuild it")
+    hidden_fn = store if store is not None else HiddenStates(target.model, cfg.cache_hidden_gb * 1e9)
+    use_topk = store is not None and cfg.kl_topk > 0 and "kl" in cfg.loss
+
+    def topks_of(idxs: list[int]):
+        if not use_topk:
+            return None
+        return [tuple(x[:, :cfg.kl_topk] for x in store.topk(i)) for i in idxs]
 
     n_batches = math.ceil(len(train_idx) / cfg.batch_size)
     per_epoch = math.ceil(n_batches / cfg.grad_accum)
@@ -789,6 +875,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
             "rng": torch.get_rng_state(), "last_eval": last_eval,
             "data": {"path": str(data), "sha256": data_sha},
             "vocab_ids": proj.vocab_ids.cpu() if proj.vocab_ids is not None else None,
+            "features": str(features) if features is not None else None,
+            "feature_dtype": feature_dtype if features is not None else None,
         }
         config = json.loads(json.dumps(draft.config))
         meta = config.setdefault("fastmtp", {})
@@ -837,7 +925,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
                 loss_sum = 0.0
                 for idxs in group:
                     batch = collate([examples[i] for i in idxs],
-                                    [hidden_fn(i, examples[i].ids) for i in idxs], device)
+                                    [hidden_fn(i, examples[i].ids) for i in idxs], device,
+                                    topks_of(idxs))
                     loss, st = batch_loss(head, batch, proj, cfg.train_steps, cfg.weights, cfg.loss,
                                           cfg.attention, cfg.ce_chunk)
                     (loss / len(group)).backward()
@@ -953,7 +1042,8 @@ def _run(args: argparse.Namespace) -> int:
         vocab_ids, vocab_name = table.ids, table.name
     res = train(cfg, target, args.data, args.out, init=args.init, resume=args.resume,
                 vocab_ids=vocab_ids, vocab_name=vocab_name, overwrite=args.overwrite,
-                progress=not args.no_progress)
+                progress=not args.no_progress, allow_base_mismatch=args.allow_base_mismatch,
+                features=args.features, target_dir=args.target, feature_dtype=args.feature_dtype)
     ev = res.last_eval or {}
     print(f"wrote draft directory {res.out} after {res.global_step} optimizer steps"
           + ("" if res.finished else " (halted early: continue with --resume)")
@@ -1001,9 +1091,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "checkpoint to --resume from (default: run all epochs)")
     p.add_argument("--cache-hidden-gb", type=float, help=f"GB of memory for caching the target's "
                    f"hidden states across epochs, 0 = recompute (default {d.cache_hidden_gb})")
+    p.add_argument("--features", help="feature cache directory: the target runs once over the "
+                   "data and epochs read its hidden states from disk (built here when missing; "
+                   "see `fastmtp features`). Default: run the target every epoch")
+    p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of cached hidden states when --features builds (default bfloat16)")
+    p.add_argument("--kl-topk", type=int, help="with --loss kl/ce+kl and --features: KL to the "
+                   "target's cached top-k distribution instead of recomputing its full logits "
+                   f"(default {d.kl_topk} = exact)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the target's dtype; the head always trains in fp32 (default float32)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--allow-base-mismatch", action="store_true", help="train a draft made for another target (its recorded config / tokenizer hash differs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
