@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "fastmtp_sglang.distill",
     "fastmtp_sglang.features",
     "fastmtp_sglang.train",
+    "fastmtp_sglang.curve",
     "fastmtp_sglang.vocab_cli",
 ]
 

@@ -110,10 +110,15 @@ class FeatureStore:
             raise FastMTPError(f"{self.path}: cache format {self.index.get('format')!r}, this "
                                f"version reads {FORMAT}: rebuild it")
         if key is not None:
-            # a cache with more top-k columns serves a run that needs fewer (columns are sorted)
-            bad = [d for d in key.diff(self.index["key"]) if not d.startswith("topk:")]
-            if int(self.index["key"].get("topk", 0)) < key.topk:
-                bad.append(f"topk: cache {self.index['key'].get('topk')}, need {key.topk}")
+            # a cache with more top-k columns serves a run that needs fewer (columns are sorted),
+            # and a cache of all rows serves a run on a prefix (--max-sequences: learning curves)
+            have = self.index["key"]
+            bad = [d for d in key.diff(have) if not d.startswith(("topk:", "max_sequences:"))]
+            if int(have.get("topk", 0)) < key.topk:
+                bad.append(f"topk: cache {have.get('topk')}, need {key.topk}")
+            cached_rows = have.get("max_sequences")
+            if cached_rows is not None and (key.max_sequences is None or key.max_sequences > cached_rows):
+                bad.append(f"max_sequences: cache {cached_rows}, now {key.max_sequences}")
             if bad:
                 raise FastMTPError(f"feature cache {self.path} was built for other inputs ("
                                    + "; ".join(bad) + "): delete it or pass another --features "

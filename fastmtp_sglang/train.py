@@ -823,7 +823,7 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
         need_topk = cfg.kl_topk if "kl" in cfg.loss else 0
         store = open_or_build(target, target_dir, data, examples, features, cfg.max_len,
                               cfg.max_sequences, feature_dtype, need_topk, progress)
-        if len(store) != len(examples):
+        if len(store) < len(examples):
             raise FastMTPError(f"feature cache {features} holds {len(store)} sequences, the data "
                                f"{len(examples)}: rebuild it")
     hidden_fn = store if store is not None else HiddenStates(target.model, cfg.cache_hidden_gb * 1e9)

@@ -1,0 +1,78 @@
+"""`fastmtp curve` end to end on the toy target: prefixes, shared feature cache, held-out and
+served tau per point, resumable, JSON + Markdown + PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastmtp_sglang.curve import parse_arm, prefix_rows
+from fastmtp_sglang.errors import FastMTPError
+from fastmtp_sglang.train import Example
+from test_train import one_thread, toy  # noqa: F401  (fixtures)
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_prefix_rows_and_arms():
+    ex = [Example(torch.zeros(10, dtype=torch.long), 4) for _ in range(10)]  # 6 response tokens each
+    rows, avail = prefix_rows(ex, heldout_rows=2, tokens=[6, 13, 48, 49])
+    assert rows == {6: 1, 13: 3, 48: 8} and avail == 48  # 49 > the 8 trainable rows hold
+    assert parse_arm("kl=--loss kl --kl-topk 8").flags == ["--loss", "kl", "--kl-topk", "8"]
+    assert parse_arm("fastmtp=").flags == []
+    with pytest.raises(FastMTPError):
+        parse_arm("bad name=--vanilla")
+
+
+def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
+    """The conftest Llama target (its vocabulary covers the tokenizer, so dev prompts run), its
+    greedy continuations of random prompts as data."""
+    import copy
+
+    from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
+    from fastmtp_sglang.target import Target
+    from test_train import greedy, random_head
+
+    model = llama_target.model
+    t = Target(model, None, llama_target.config, "llama-tiny")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        seqs = greedy(t, torch.randint(1, 300, (20, 6), generator=g), 16)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": s[:6].tolist(), "response_ids": s[6:].tolist()})
+                            + "\n" for s in seqs))
+    init = tmp_path / "init"
+    head = random_head(t, "deepseek", seed=2)
+    save_draft_dir(init, make_draft_config(llama_target.config, "deepseek", dtype="float32"),
+                   {k: 0.5 * v for k, v in head.state_dict().items()})
+    tdir = tmp_path / "target"
+    model.save_pretrained(str(tdir))
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT
+    tok.save_pretrained(str(tdir))
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": t}) + "\n"
+                           for i, t in enumerate(["a list of values", "the quick fox"])))
+    out = tmp_path / "curve"
+    args = ["curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
+            "--tokens", "40,150", "--arm", "fastmtp=", "--arm", "vanilla=--vanilla",
+            "--heldout-rows", "4", "--serve-steps", "1,3", "--dev-prompts", dev,
+            "--dev-max-new-tokens", "8", "--no-progress", "--", "--epochs", "1", "--batch-size", "4",
+            "--max-len", "64", "--lr", "3e-3"]
+    rc, stdout, err = run_cli(*args)
+    assert rc == 0, err
+    res = json.loads((out / "curve.json").read_text())
+    pts = {(p["arm"], p["tokens"]): p for p in res["points"]}
+    assert set(pts) == {("fastmtp", 40), ("fastmtp", 150), ("vanilla", 40), ("vanilla", 150)}
+    assert pts[("fastmtp", 40)]["rows"] < pts[("fastmtp", 150)]["rows"] <= 16
+    for p in pts.values():
+        assert 1.0 <= p["heldout"]["tau_walk"] <= 4.0 and set(p["served_tau"]) == {"1", "3"}
+        assert 1.0 <= p["served_tau"]["3"] <= 4.0
+    assert (out / "curve.md").read_text().count("| fastmtp |") == 2 and (out / "curve.png").is_file()
+    assert len(list((out / "features").glob("shard-*.safetensors"))) >= 1  # one cache for all points
+    # a rerun has nothing left to do
+    rc, _, err = run_cli(*args)
+    assert rc == 0 and "curve: arm" not in err
