@@ -1,6 +1,6 @@
 """FastMTPHead: one multi-token-prediction module in pure PyTorch, run recursively K times.
 
-One step (DESIGN.md section 2)::
+One step (docs/design.md section 1.1)::
 
     e   = embed(x_{i+1})                              # the target's embedding, shared
     x   = proj(hnorm(h_i), enorm(e))                  # layout-dependent, see LAYOUTS
@@ -149,7 +149,7 @@ class HeadKVCache:
 
     A step writes its keys at its positions and its queries read every key at a position <= the
     query's. Stale keys beyond a row's current end are harmless: they are overwritten before any
-    query can reach them, which is what makes rollback free (DESIGN.md section 2, draft extend).
+    query can reach them, which is what makes rollback free (docs/design.md section 1.6, draft extend).
     """
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,

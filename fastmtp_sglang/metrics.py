@@ -1,4 +1,4 @@
-"""Acceptance metrics, defined once (DESIGN.md section 2).
+"""Acceptance metrics, defined once (docs/design.md section 2).
 
 - A cycle is one target verification; it emits ``accepted + 1`` tokens.
 - tau (acceptance length) = emitted tokens / cycles (SGLang: ``spec_accept_length``).

@@ -8,7 +8,7 @@ Terms used throughout (one verification cycle of K drafted tokens):
 - **recovered** token: emitted at the first rejected step k, drawn from
   ``normalise(max(p_k - q_k, 0))`` over the *full* vocabulary (greedy: the target's argmax).
   This residual is what makes the output distribution exactly ``p`` whatever ``q`` is, including
-  a ``q`` that is zero outside a compressed vocabulary (DESIGN.md section 2).
+  a ``q`` that is zero outside a compressed vocabulary (docs/design.md section 1.5).
 - **bonus** token: emitted when all K drafts are accepted, drawn from the target's distribution
   at position K+1, which the verification pass computed anyway.
 

@@ -39,7 +39,7 @@ _OWNED_FLAGS = (
     "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
     "--speculative-eagle-topk", "--speculative-num-draft-tokens",
 )
-# a FastMTP head is one module reused K times by the stock worker (DESIGN.md section 5)
+# a FastMTP head is one module reused K times by the stock worker (docs/design.md section 5.4)
 _REFUSED_FLAGS = {"--enable-multi-layer-eagle": "FastMTP reuses one head for every step"}
 _FULL_VOCAB = ("none", "full")
 

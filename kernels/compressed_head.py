@@ -1,7 +1,7 @@
 """Compressed draft head: the draft's lm_head restricted to a per-request vocabulary table.
 
 The draft step of a speculative decoder is memory-bound and dominated by the lm_head ([V, H]
-read once per step; DESIGN.md section 8). FR-Spec (arXiv 2502.14856) showed that drafting over
+read once per step; docs/design.md section 1.4). FR-Spec (arXiv 2502.14856) showed that drafting over
 the most frequent 16-32K tokens of a 152K vocabulary keeps most of the acceptance length, and
 verification over the full vocabulary keeps the output unchanged. Here every row of the batch has
 its own table (its request's language), and may add its own extra ids (for example the prompt's
@@ -120,7 +120,7 @@ def _compressed_head_kernel(
                 mask=s_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            # fp32 operands: the interpreter's bf16 tl.dot is wrong (DESIGN.md section 6). On GPU,
+            # fp32 operands: the interpreter's bf16 tl.dot is wrong (docs/design.md section 6.1). On GPU,
             # tf32 represents fp16/bf16 values exactly, so 16-bit inputs lose nothing; fp32
             # inputs get a true fp32 product.
             if IEEE_DOT:

@@ -175,7 +175,7 @@ def compare_greedy(runs, prompt_ids: list[str]) -> dict[int, dict]:
 
 def accept_lengths(runs) -> dict[int, float]:
     """tau per K>0 = emitted tokens per verify cycle = 1 + accepted drafts / cycles, pooled over
-    the prompts (DESIGN.md section 2; SGLang's spec_accept_length counts the prefill token too)."""
+    the prompts (docs/design.md section 2; SGLang's spec_accept_length counts the prefill token too)."""
     taus = {}
     for k, rows in runs.items():
         if k == 0:

@@ -12,7 +12,7 @@
 - a truncated head (SGLang's --speculative-token-map) and the compressed-vocabulary seam;
 - every flag of the launch command exists in sglang 0.5.23's ServerArgs parser.
 
-DESIGN.md section 5 ("Running an SGLang model class on CPU") explains the harness.
+docs/design.md section 5.7 (running an SGLang model class on CPU) explains the harness.
 Run: pytest tests/test_sglang_model.py (in an environment with `pip install -e .[sglang]`).
 """
 

@@ -1,4 +1,4 @@
-"""Per-request compressed draft vocabulary inside SGLang (DESIGN.md section 5).
+"""Per-request compressed draft vocabulary inside SGLang (docs/design.md section 5.5).
 
 :class:`CompressedProjection` stands in for the draft's lm_head in SGLang's ``LogitsProcessor``
 (``FastMTPForCausalLM.set_draft_projection``). For every row it scores only the head rows of the

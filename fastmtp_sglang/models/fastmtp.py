@@ -1,6 +1,6 @@
 """FastMTPForCausalLM: a FastMTP draft head served by SGLang's EAGLE worker.
 
-One draft step (DESIGN.md section 2), on SGLang's own layers::
+One draft step (docs/design.md section 1.1), on SGLang's own layers::
 
     e      = embed(x_{i+1})                       # the target's embedding, shared
     x      = proj(hnorm(h_i), enorm(e))           # layout mimo / deepseek / split
@@ -17,7 +17,7 @@ so it is CUDA-graph capturable.
 Registration: ``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` (this module's
 ``EntryClass``), or the ``sglang.srt.plugins`` entry point :func:`register_with_sglang`.
 
-Weights come from a draft directory (DESIGN.md section 4): exactly the tensors of
+Weights come from a draft directory (docs/design.md section 4): exactly the tensors of
 ``fastmtp_sglang.head.FastMTPHead.state_dict()``; embedding and lm_head come from the target
 through :meth:`FastMTPForCausalLM.set_embed_and_head`.
 
@@ -371,7 +371,7 @@ class FastMTPForCausalLM(nn.Module):
     def set_draft_projection(self, projection: Optional[object]) -> None:
         """Install (or remove, with None) the compressed-vocabulary projection.
 
-        The seam of DESIGN.md section 5: ``projection`` is handed to SGLang's
+        The seam of docs/design.md section 5.5: ``projection`` is handed to SGLang's
         ``LogitsProcessor`` in place of ``lm_head``, so it must look like an lm_head to it:
         a ``weight`` attribute and a ``quant_method`` whose ``apply(layer, hidden [N, H],
         bias) -> logits [N, V_local]`` returns this rank's full vocabulary-shard width, -inf
