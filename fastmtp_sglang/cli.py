@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "fastmtp_sglang.serve",
     "fastmtp_sglang.bench_cli",
     "fastmtp_sglang.demo",
+    "fastmtp_sglang.synth_prompts",
     "fastmtp_sglang.distill",
     "fastmtp_sglang.features",
     "fastmtp_sglang.train",
