@@ -56,6 +56,7 @@ class BenchConfig:
     # themselves measured, so a few percent of noise is expected).
     max_spread: float = 0.15
     slack: float = 0.10
+    ngram_steps: list[int] = field(default_factory=list)  # prompt-lookup arms (in-process), by K
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -67,6 +68,15 @@ class BenchConfig:
             raise ValueError("repeats must be >= 1")
         if not (self.max_spread > 0 and self.slack >= 0):
             raise ValueError("max_spread must be > 0 and slack >= 0")
+        if any(k < 1 for k in self.ngram_steps):
+            raise ValueError(f"ngram steps must be >= 1, got {self.ngram_steps}")
+        self.ngram_steps = sorted(set(self.ngram_steps))
+
+    @property
+    def arms(self) -> list[tuple[str, int]]:
+        """(drafter, K) of every timed configuration: the head at each K (K=0 = plain decoding)
+        and prompt lookup at each ngram K."""
+        return [("head", k) for k in self.steps] + [("ngram", k) for k in self.ngram_steps]
 
     def sampling_params(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -88,10 +98,12 @@ class Sample:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     repeat: int = 0
+    drafter: str = "head"       # "head" (K=0: plain decoding) or "ngram" (prompt lookup)
 
 
-def _group(samples: list[Sample], k: int, category: str | None) -> list[Sample]:
-    return [s for s in samples if s.steps == k and (category is None or s.category == category)]
+def _group(samples: list[Sample], k: int, category: str | None, drafter: str = "head") -> list[Sample]:
+    return [s for s in samples if s.steps == k and s.drafter == drafter
+            and (category is None or s.category == category)]
 
 
 def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
@@ -128,23 +140,33 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
         res["overall"][k] = _stats(_group(samples, k, None), k, cfg.repeats)
         for c in cats:
             res["categories"][c][k] = _stats(_group(samples, k, c), k, cfg.repeats)
-    for block in [res["overall"], *res["categories"].values()]:
-        base = block[0]["tokens_per_s"]
-        for k in cfg.steps:
-            block[k]["speedup"] = block[k]["tokens_per_s"] / base if base > 0 else 0.0
+    if cfg.ngram_steps:  # prompt lookup, on the same prompts, against the same K=0 runs
+        res["ngram"] = {"overall": {k: _stats(_group(samples, k, None, "ngram"), k, cfg.repeats)
+                                    for k in cfg.ngram_steps},
+                        "categories": {c: {k: _stats(_group(samples, k, c, "ngram"), k, cfg.repeats)
+                                           for k in cfg.ngram_steps} for c in cats}}
+    for block, base_block in [(res["overall"], res["overall"]),
+                              *[(res["categories"][c], res["categories"][c]) for c in cats],
+                              *([(res["ngram"]["overall"], res["overall"])]
+                                + [(res["ngram"]["categories"][c], res["categories"][c]) for c in cats]
+                                if cfg.ngram_steps else [])]:
+        base = base_block[0]["tokens_per_s"]
+        for r in block.values():
+            r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
     if cfg.temperature == 0:
         base = {s.prompt_id: s.output_ids for s in samples if s.steps == 0}
-        for k in cfg.steps:
-            grp = [s for s in samples if s.steps == k and s.output_ids]
+        for drafter, k in cfg.arms:
+            grp = [s for s in samples if s.steps == k and s.drafter == drafter and s.output_ids]
             if grp:
                 same = sum(1 for s in grp if s.output_ids == base.get(s.prompt_id))
-                res["overall"][k]["same_output_as_k0"] = f"{same}/{len(grp)}"
+                blk = res["overall"] if drafter == "head" else res["ngram"]["overall"]
+                blk[k]["same_output_as_k0"] = f"{same}/{len(grp)}"
     res["timing_check"] = timing_guard(res, cfg)
     return res
 
 
-def rotated(steps: list[int], i: int) -> list[int]:
-    """The K order for the i-th (prompt, repeat): a rotation, so every K runs first as often."""
+def rotated(steps: list, i: int) -> list:
+    """The order for the i-th (prompt, repeat): a rotation, so every arm runs first as often."""
     j = i % len(steps)
     return steps[j:] + steps[:j]
 
@@ -182,8 +204,12 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     problems = _block_problems(res["overall"], cfg, "all prompts")
     for cat, block in res["categories"].items():
         problems += _block_problems(block, cfg, f"category {cat}")
+    if "ngram" in res:
+        problems += _block_problems({0: res["overall"][0], **res["ngram"]["overall"]}, cfg,
+                                    "prompt lookup")
     spreads = {}
-    for k, r in res["overall"].items():
+    arms = list(res["overall"].items()) + [(f"ngram K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()]
+    for k, r in arms:
         reps = [x for x in r.get("tokens_per_s_repeats", []) if x > 0]
         if len(reps) >= 2:
             spread = (max(reps) - min(reps)) / statistics.median(reps)
@@ -207,35 +233,40 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
     from tqdm import tqdm
 
     from fastmtp_sglang.engine import ReferenceEngine, Request
+    from fastmtp_sglang.ngram import NgramDrafter
     from fastmtp_sglang.sampling import SamplingParams
 
-    engines = {k: ReferenceEngine(target, head if k else None, k, max_context,
-                                  draft_vocab=draft_vocab if k else None) for k in cfg.steps}
+    engines = {("head", k): ReferenceEngine(target, head if k else None, k, max_context,
+                                            draft_vocab=draft_vocab if k else None) for k in cfg.steps}
+    engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
+                    for k in cfg.ngram_steps})
     samples: list[Sample] = []
-    warm = len(cfg.steps) if cfg.warmup else 0
-    total = len(prompts) * len(cfg.steps) * cfg.repeats + warm
+    arms = cfg.arms
+    warm = len(arms) if cfg.warmup else 0
+    total = len(prompts) * len(arms) * cfg.repeats + warm
     with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:
         if cfg.warmup:  # untimed: the first forwards of each shape are many times slower
             bar.set_postfix_str("warm-up")
-            for k in cfg.steps:
-                engines[k].generate([Request(list(prompts[0][2]), SamplingParams(
+            for arm in arms:
+                engines[arm].generate([Request(list(prompts[0][2]), SamplingParams(
                     **{**cfg.sampling_params(), "seed": cfg.seed}), "warmup")])
                 bar.update(1)
             bar.set_postfix_str("")
         i = 0
         for rep in range(cfg.repeats):
             for pid, cat, ids in prompts:
-                for k in rotated(cfg.steps, i):
+                for drafter, k in rotated(arms, i):
                     params = SamplingParams(**{**cfg.sampling_params(), "seed": cfg.seed + rep})
-                    r = engines[k].generate([Request(list(ids), params, pid)])[0]
+                    r = engines[(drafter, k)].generate([Request(list(ids), params, pid)])[0]
                     m = r.metrics
                     samples.append(Sample(pid, cat, k, m.completion_tokens, m.decode_s, m.verify_ct,
                                           [c.accepted for c in m.cycles], r.output_ids,
                                           sum(c.draft_s for c in m.cycles),
-                                          sum(c.verify_s for c in m.cycles), m.prefill_s, rep))
+                                          sum(c.verify_s for c in m.cycles), m.prefill_s, rep,
+                                          drafter))
                     bar.update(1)
                 i += 1
-    samples.sort(key=lambda s: (s.steps, s.category, s.prompt_id, s.repeat))
+    samples.sort(key=lambda s: (s.drafter, s.steps, s.category, s.prompt_id, s.repeat))
     return samples
 
 
@@ -324,12 +355,23 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f"| {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
             f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
             f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
+    for k, r in results.get("ngram", {}).get("overall", {}).items():
+        sp = "-" if bad else f"{r['speedup']:.2f}x"
+        lines.append(
+            f"| prompt lookup {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
+            f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
+            f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
     lines += ["", "Per category (tau / speedup):" if not bad else "Per category (tau):", "",
               "| category | " + " | ".join(f"K={k}" for k in results["overall"]) + " |",
               "|---|" + "---|" * len(results["overall"])]
+    ng = results.get("ngram", {}).get("categories", {})
+    if ng:
+        lines[-2] += "".join(f" lookup {k} |" for k in results["ngram"]["overall"])
+        lines[-1] += "---|" * len(results["ngram"]["overall"])
     for c, block in results["categories"].items():
+        cells = list(block.values()) + list(ng.get(c, {}).values())
         lines.append(f"| {c} | " + " | ".join(
-            f"{r['tau']:.2f}" + ("" if bad else f" / {r['speedup']:.2f}x") for r in block.values()) + " |")
+            f"{r['tau']:.2f}" + ("" if bad else f" / {r['speedup']:.2f}x") for r in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -360,7 +402,14 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
         a2.text(0.5, 0.5, "timing contaminated:\nno speedup reported", ha="center", va="center",
                 transform=a2.transAxes, color="C3")
     else:
-        a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1")
+        a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1", label="draft head")
+        ng = results.get("ngram", {}).get("overall", {})
+        if ng:
+            a2.plot(list(ng), [r["speedup"] for r in ng.values()], "s--", color="C2",
+                    label="prompt lookup")
+            a1.plot(list(ng), [r["tau"] for r in ng.values()], "s--", color="C2", label="prompt lookup")
+            a1.legend(fontsize=8)
+            a2.legend(fontsize=8)
     a2.axhline(1.0, color="grey", ls=":")
     a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")
     a2.grid(alpha=0.3)

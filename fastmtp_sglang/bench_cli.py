@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "config": cfg.__dict__, "target": args.target, "draft": args.draft,
             "label": args.label or default_label(args, cfg)}
+    if args.url and cfg.ngram_steps:
+        raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url (or run "
+                           "prompt lookup on the server side)")
     if args.url:
         from transformers import AutoTokenizer
 
@@ -117,7 +120,8 @@ def config_from_args(args: argparse.Namespace):
     try:
         return BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature,
                            args.top_p, args.top_k, args.repeats, args.seed,
-                           warmup=not args.no_warmup, max_spread=args.max_spread)
+                           warmup=not args.no_warmup, max_spread=args.max_spread,
+                           ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -139,6 +143,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1, help="top-k (default -1 = off)")
     p.add_argument("--repeats", type=int, default=3, help="runs of the prompt set; tokens/s is "
                    "the median (default 3; with 1 the run-to-run check cannot run)")
+    p.add_argument("--ngram-steps", default="", help="also run prompt lookup (n-gram drafting, "
+                   "the model-free peer) at these K, comma-separated, in the same run and table "
+                   "(in-process only; default none)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of one "
                    "prompt at every K (timings then include first-call costs: not for publishing)")
     p.add_argument("--max-spread", type=float, default=0.15, help="timing guard: largest allowed "

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(target_dir, dtype=args.dtype)
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
     cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens,
-                      repeats=args.repeats)
+                      repeats=args.repeats,
+                      ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
     prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
     from fastmtp_sglang.draft_vocab import resolve_vocab
 
@@ -105,6 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", default=None, help="draft vocabulary: the draft's tables if any "
                    "(default), full, auto "
                    "(shipped tables, per request) or table files")
+    p.add_argument("--ngram-steps", default="3", help="also run prompt lookup (the model-free "
+                   "peer) at these K for comparison; '' = none (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of the prompt set; "
                    "tokens/s is the median (default 3)")
     p.add_argument("--out", default=None, help="also write results.json/.md/.png here")

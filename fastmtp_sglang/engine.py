@@ -80,14 +80,17 @@ class ReferenceEngine:
     head : FastMTPHead sharing the target's embedding and lm_head, or None (then steps must be 0)
     steps : K, drafted tokens per verification; 0 = plain decoding
     max_context : positions a request may use (default: the target's max_position_embeddings)
+    drafter : a model-free drafter (fastmtp_sglang.ngram.NgramDrafter) used instead of ``head``;
+        a cycle where no row has a proposal verifies the pending token alone (K=0 for that cycle)
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
-                 draft_vocab=None):
+                 draft_vocab=None, drafter=None):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
-        if steps > 0 and head is None:
-            raise ValueError("steps > 0 needs a draft head")
+        if steps > 0 and head is None and drafter is None:
+            raise ValueError("steps > 0 needs a draft head (or a drafter such as NgramDrafter)")
+        self.drafter = drafter  # fastmtp_sglang.ngram.NgramDrafter: drafts without a model
         self.target, self.head, self.steps = target, head, steps
         self.model = target.model
         self.device = next(self.model.parameters()).device
@@ -125,6 +128,7 @@ class ReferenceEngine:
         for r in requests:
             self.validate(r)
         dev, K = self.device, self.steps
+        use_head = bool(K) and self.drafter is None
         rows = [_Row(r, i, K) for i, r in enumerate(requests)]
         # one generator per request: a seeded request samples the same tokens whatever batch it
         # shares (rows without a seed draw theirs from torch's global generator)
@@ -171,7 +175,8 @@ class ReferenceEngine:
         pending, _ = pick(self.target.lm_head(last_h).float(), active)           # [B]
         pos = lens.clone()                                    # position of `pending`, per row
         dcache = None
-        if K:
+        tidx = extra = None
+        if use_head:
             # draft extend over the prompt: (h_i, x_{i+1}) at position i; x_n is `pending`
             nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
             nxt[torch.arange(B, device=dev), lens - 1] = pending
@@ -179,7 +184,6 @@ class ReferenceEngine:
             dcache = self.head.new_cache(B, max_len, device=dev)
             g, _ = self.head(hidden, nxt, ar[None].expand(B, L), dcache, return_logits=False)
             g = g[torch.arange(B, device=dev), lens - 1]                          # [B, H]
-            tidx = extra = None
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
                 tidx, extra = self.draft_vocab.choose(ids, valid)
         _sync(dev)
@@ -199,7 +203,7 @@ class ReferenceEngine:
                 active = keep
                 cache.batch_select_indices(sel)
                 valid, pending, pos = valid[sel], pending[sel], pos[sel]
-                if K:
+                if use_head:
                     dcache.select(sel)
                     g = g[sel]
                     if tidx is not None:
@@ -210,7 +214,13 @@ class ReferenceEngine:
             t = time.perf_counter()
             drafts = torch.empty(n, K, dtype=torch.long, device=dev)
             qs = []
-            if K:
+            Kc = K  # drafts verified this cycle (a drafter with nothing to propose: 0)
+            if self.drafter is not None and K:
+                drafts, Kc = self._propose(rows, active, K, pending)
+                if not greedy:  # a deterministic draft: q is one-hot at each proposed token
+                    V = self.target.lm_head.weight.shape[0]
+                    qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
+            elif use_head:
                 d, q = draft_pick(g, active)
                 drafts[:, 0] = d
                 qs.append(q)
@@ -225,27 +235,27 @@ class ReferenceEngine:
             t_draft = time.perf_counter() - t
             # -- 2. verify -----------------------------------------------------------------
             t = time.perf_counter()
-            vin = torch.cat([pending[:, None], drafts], dim=1)                       # [n, K+1]
-            vpos = pos[:, None] + torch.arange(K + 1, device=dev)[None]
-            valid = torch.cat([valid, torch.ones(n, K + 1, dtype=torch.bool, device=dev)], dim=1)
-            vh = self._target(vin, vpos, valid.long(), cache)                         # [n, K+1, H]
+            vin = torch.cat([pending[:, None], drafts], dim=1)                       # [n, Kc+1]
+            vpos = pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
+            valid = torch.cat([valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
+            vh = self._target(vin, vpos, valid.long(), cache)                         # [n, Kc+1, H]
             tlogits = self.target.lm_head(vh).float()                                 # [n, K+1, V]
             # -- 3. accept -----------------------------------------------------------------
             if greedy:
                 acc, emitted = verify_greedy(drafts, tlogits)
             else:
-                p = logits_to_probs(tlogits.reshape(n * (K + 1), -1),
-                                    temp[active].repeat_interleave(K + 1),
-                                    top_p[active].repeat_interleave(K + 1),
-                                    top_k[active].repeat_interleave(K + 1)).view(n, K + 1, -1)
-                q = torch.stack(qs, 1) if K else p.new_zeros(n, 0, p.shape[-1])
+                p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
+                                    temp[active].repeat_interleave(Kc + 1),
+                                    top_p[active].repeat_interleave(Kc + 1),
+                                    top_k[active].repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
+                q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
                 parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], gens[int(r)])
                          for i, r in enumerate(active.tolist())]
                 acc = torch.cat([a for a, _ in parts])
                 emitted = torch.cat([e for _, e in parts])
             # -- 4. rollback: hide the slots of rejected drafts; crop what no row uses ------
-            slot = torch.arange(K + 1, device=dev)[None]
-            valid[:, -(K + 1):] = slot <= acc[:, None]
+            slot = torch.arange(Kc + 1, device=dev)[None]
+            valid[:, -(Kc + 1):] = slot <= acc[:, None]
             used = int(valid.any(0).nonzero().max()) + 1
             if used < valid.shape[1]:
                 cache.crop(used - valid.shape[1])  # negative: drop that many trailing slots
@@ -255,7 +265,7 @@ class ReferenceEngine:
             # -- 5. draft extend over the accepted positions --------------------------------
             t = time.perf_counter()
             bonus = emitted.gather(1, acc[:, None])[:, 0]                             # [n]
-            if K:
+            if use_head:
                 ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                   # [n, K+1]
                 ext_ids.scatter_(1, acc[:, None], bonus[:, None])
                 ge, _ = self.head(vh, ext_ids, vpos, dcache, return_logits=False)
@@ -288,6 +298,23 @@ class ReferenceEngine:
                 text = text[: text.find(r.finish["matched_str"])]
             results.append(Result(r.out, text, r.finish, r.metrics, r.req.rid))
         return results
+
+    def _propose(self, rows: list[_Row], active: torch.Tensor, K: int, pending: torch.Tensor
+                 ) -> tuple[torch.Tensor, int]:
+        """The drafter's proposals for the live rows: (drafts [n, K] or [n, 0], K verified).
+
+        A row without a full proposal is padded with its last proposed (or pending) token: a
+        guess that costs one verified slot and changes nothing else."""
+        props = []
+        for i in active.tolist():
+            r = rows[i]
+            props.append(self.drafter.propose(r.req.input_ids + r.out, K))
+        n = len(props)
+        if not any(props):
+            return torch.empty(n, 0, dtype=torch.long, device=self.device), 0
+        pend = pending.tolist()
+        out = [(p + [p[-1] if p else pend[j]] * K)[:K] for j, p in enumerate(props)]
+        return torch.tensor(out, dtype=torch.long, device=self.device), K
 
     def _decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)

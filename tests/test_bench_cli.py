@@ -1,0 +1,43 @@
+"""`fastmtp bench` in-process on the tiny Llama target: the head at several K and prompt lookup in
+one run and one report, warm-up and rotation on, greedy outputs identical to K=0 (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
+
+
+def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli):
+    from fastmtp_sglang.head import FastMTPHead, HeadConfig
+
+    cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
+    torch.manual_seed(0)
+    head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
+                       llama_target.model.get_output_embeddings())
+    draft = tmp_path / "draft"
+    save_draft_dir(draft, cfg, head.state_dict())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
+                               enumerate(["a list is a list is a list", "the value of the value",
+                                          "return the value"])))
+    out = tmp_path / "r"
+    rc, stdout, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
+                              prompts, "--raw", "--steps", "0,2", "--ngram-steps", "2", "--repeats",
+                              "2", "--max-new-tokens", "6", "--dtype", "float32", "--vocab", "full",
+                              "--out", out, "--no-progress")
+    assert rc == 0, err
+    res = json.loads((out / "results.json").read_text())
+    r = res["results"]
+    assert set(r["overall"]) == {"0", "2"} and set(r["ngram"]["overall"]) == {"2"}
+    assert r["overall"]["2"]["same_output_as_k0"] == "6/6"
+    assert r["ngram"]["overall"]["2"]["same_output_as_k0"] == "6/6"  # lossless, fp32 (3 prompts x 2 repeats)
+    assert len(r["overall"]["0"]["tokens_per_s_repeats"]) == 2
+    assert "timing_check" in r and isinstance(r["timing_check"]["problems"], list)
+    md = (out / "results.md").read_text()
+    assert "| prompt lookup 2 |" in md and "lookup 2 |" in md.split("Per category")[1]
+    assert md.startswith("# llama-tiny + draft: K=0,2, greedy")
+    # a run with 3 arms x 3 prompts x 2 repeats + 3 warm-up runs
+    assert len(res["samples"]) == 3 * 3 * 2

@@ -1,0 +1,76 @@
+"""Prompt-lookup (n-gram) drafting in the reference engine: proposals by hand, greedy output
+identical to plain decoding (fp32, batch 1 and 3, K=1..5), lossless sampling, and it pays on
+text that repeats its prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastmtp_sglang.engine import ReferenceEngine, Request
+from fastmtp_sglang.metrics import aggregate
+from fastmtp_sglang.ngram import NgramDrafter
+from fastmtp_sglang.sampling import SamplingParams
+from test_engine import N_NEW, PROMPTS, greedy_reference, tiny_target
+
+
+def test_proposals_by_hand():
+    d = NgramDrafter(max_ngram=2, min_ngram=1)
+    assert d.propose([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]       # bigram (5, 6) seen earlier
+    assert d.propose([5, 6, 7, 1, 6], 2) == [7, 1]                # unigram 6: earliest match
+    assert d.propose([1, 2, 3], 2) == []                          # nothing repeats
+    assert d.propose([4, 4], 3) == [4]                            # continuation cut by the end
+    assert d.propose([1, 2, 9, 1, 2], 5) == [9, 1, 2]
+    assert NgramDrafter(3, 3).propose([1, 2, 3, 7, 2, 3], 2) == []  # only trigrams count
+    with pytest.raises(ValueError):
+        NgramDrafter(1, 2)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    t = tiny_target("llama", seed=21)
+    return t, [greedy_reference(t, p, N_NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+def test_greedy_equals_plain_decoding(llama, steps):
+    t, ref = llama
+    eng = ReferenceEngine(t, None, steps, drafter=NgramDrafter())
+    batched = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS])
+    assert [r.output_ids for r in batched] == ref
+    for p, want in zip(PROMPTS, ref):
+        assert eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW))])[0].output_ids == want
+
+
+def test_copying_text_is_accepted():
+    """A target that continues a repeating prompt by repeating it: prompt lookup drafts the
+    repetition, so tau is well above 1 (a target that never repeats itself would give ~1)."""
+    t = tiny_target("llama", seed=22)
+    prompt = [7, 3, 11, 5, 2] * 6
+    ref = greedy_reference(t, prompt, 24)
+    eng = ReferenceEngine(t, None, 4, drafter=NgramDrafter(max_ngram=3))
+    r = eng.generate([Request(prompt, SamplingParams(max_new_tokens=24))])[0]
+    assert r.output_ids == ref
+    assert aggregate([r.metrics])["tau"] > 2.0  # (this seed's target does continue the pattern)
+
+
+def test_sampled_tokens_follow_the_target():
+    """Lossless: the first verified token follows the target's marginal although the proposal is
+    a fixed (one-hot) guess."""
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    prompt = [4, 9, 2, 4, 9]                  # "4 9" repeats: the drafter proposes 2 after it
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
+        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
+        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)
+        want = p1 @ p2
+    n = 3000
+    eng = ReferenceEngine(t, None, 2, max_context=16, drafter=NgramDrafter())
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=i))
+                        for i in range(n)])
+    second = torch.tensor([r.output_ids[1] for r in res])
+    emp = torch.bincount(second, minlength=v).float() / n
+    tv = 0.5 * (emp - want).abs().sum().item()
+    assert tv < 0.05, f"total variation {tv:.3f}"
