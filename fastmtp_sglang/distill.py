@@ -736,6 +736,11 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
         reply, used = payload
         stats.retries += used
         rec = _record(job, reply, tokenizer, target, stats)
+        if finish_type(rec["finish_reason"]) == "abort":  # cut off by the server (shutdown,
+            stats.failed += 1                            # /abort_request): asked again next run
+            stats.failed_list.append(f"{job.id}: aborted by the server after "
+                                     f"{len(rec['response_ids'])} tokens")
+            return
         truncated = is_truncated(rec["finish_reason"])
         stats.truncated += truncated
         why = filt.reason(job.prompt.id, rec["response"], rec["response_ids"], rec["finish_reason"])
@@ -874,8 +879,7 @@ class _LocalBackend(_Backend):
         # positions per slot: the longest prompt of the run plus the response (a longer prompt
         # than the context is refused per request by the generator)
         max_len = min(max_pos, max(len(j.prompt_ids) for j in jobs) + self.cfg.max_new_tokens + 1)
-        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len,
-                              next(self.t.model.parameters()).element_size())
+        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len)
         avail = _available_memory()
         if avail is not None and need > 0.7 * avail:
             raise FastMTPError(
