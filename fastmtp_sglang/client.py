@@ -8,8 +8,9 @@ and response shapes)::
     out = client.generate("http://127.0.0.1:30000", text="Hello",
                           sampling_params={"temperature": 0, "max_new_tokens": 32})
     out["text"], out["meta_info"]["spec_accept_length"]
-    for chunk in client.stream_generate(url, text="Hello"):  # cumulative text per chunk
+    for chunk in client.stream_generate(url, text="Hello", rid="r1"):  # cumulative text
         print(chunk["text"])
+    client.abort_request(url, "r1")  # from elsewhere: r1's stream ends with finish_reason abort
 
 Note SGLang samples at temperature 1.0 when ``sampling_params`` has no ``temperature``.
 """
@@ -24,17 +25,28 @@ from typing import Any, Iterator
 
 from fastmtp_sglang.errors import FastMTPError
 
-__all__ = ["ServerError", "generate", "stream_generate", "server_info", "model_info",
-           "avg_spec_accept_length", "wait_for_health"]
+__all__ = ["ServerError", "generate", "stream_generate", "abort_request", "server_info",
+           "model_info", "avg_spec_accept_length", "wait_for_health"]
 
 
 class ServerError(FastMTPError):
-    """The server answered with an error; ``status`` is the HTTP status (0 inside a stream)."""
+    """The server answered with an error; ``status`` is the HTTP status (0 inside a stream).
 
-    def __init__(self, url: str, status: int, message: str):
+    ``retry_after`` is the server's Retry-After in seconds (a 503 from a full queue or a server
+    shutting down), else None."""
+
+    def __init__(self, url: str, status: int, message: str, retry_after: float | None = None):
         self.url, self.status, self.message = url, status, message
+        self.retry_after = retry_after
         where = f"HTTP {status}" if status else "error in stream"
         super().__init__(f"{url}: {where}: {message}")
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:  # the HTTP-date form: not sent by SGLang or the reference server
+        return None
 
 
 def _base(url: str) -> str:
@@ -74,7 +86,8 @@ def _open(url: str, payload: dict[str, Any] | None, timeout: float):
             body = b""
         finally:
             exc.close()
-        raise ServerError(url, exc.code, _error_message(body)) from None
+        raise ServerError(url, exc.code, _error_message(body),
+                          _retry_after(exc.headers.get("Retry-After"))) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise FastMTPError(f"cannot reach {url}: {reason}; is the server running "
@@ -142,6 +155,17 @@ def stream_generate(url: str, *, text: str | None = None, input_ids: list[int] |
             if isinstance(chunk, dict) and "error" in chunk:
                 raise ServerError(endpoint, 0, _error_message(data.encode()))
             yield chunk
+
+
+def abort_request(url: str, rid: str | None = None, *, abort_all: bool = False,
+                  timeout: float = 30) -> None:
+    """POST /abort_request (SGLang's): end the request ``rid``, or every one with
+    ``abort_all``. The aborted request answers with ``finish_reason {"type": "abort"}``."""
+    if not rid and not abort_all:
+        raise ValueError("give rid= or abort_all=True")
+    payload = {"abort_all": True} if abort_all else {"rid": rid}
+    with _open(_base(url) + "/abort_request", payload, timeout) as resp:
+        resp.read()
 
 
 def server_info(url: str, timeout: float = 30) -> dict[str, Any]:

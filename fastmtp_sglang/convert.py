@@ -21,7 +21,8 @@ import torch
 
 from fastmtp_sglang.checkpoint import CheckpointReader
 from fastmtp_sglang.draft_dir import (
-    check_tensors, expected_shapes, load_draft_dir, make_draft_config, save_draft_dir,
+    check_output, check_tensors, expected_shapes, load_draft_dir, make_draft_config,
+    save_draft_dir,
 )
 from fastmtp_sglang.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.head import LAYOUTS, HeadConfig
@@ -151,6 +152,7 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: st
         raise FastMTPError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if layout is not None and layout not in LAYOUTS:
         raise FastMTPError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_output(out, overwrite)  # before reading SRC: --overwrite replaces only a draft directory
     is_draft = src.is_dir() and (src / "config.json").is_file() and '"fastmtp"' in (src / "config.json").read_text()
     if is_draft:
         if fmt not in (None, "draft"):
@@ -218,5 +220,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="storage dtype (default: the checkpoint's)")
     p.add_argument("--name", default=None, help="base model name recorded in the draft's metadata")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (only a draft directory is ever replaced)")
     p.set_defaults(func=_run)

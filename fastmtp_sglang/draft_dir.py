@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -152,9 +154,21 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise DraftFormatError(f"{path} has no {CONFIG_NAME}: is it a draft directory?")
     try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DraftFormatError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise DraftFormatError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not an object: "
+                               "is it a draft directory?")
+    return cfg
+
+
+def is_draft_dir(path: str | os.PathLike) -> bool:
+    """True for a directory whose config.json is an object with a ``fastmtp`` block."""
+    try:
+        return isinstance(read_config(path).get("fastmtp"), dict)
+    except (DraftFormatError, OSError):
+        return False
 
 
 def load_draft_dir(path: str | os.PathLike, device: str | torch.device = "cpu",
@@ -204,27 +218,113 @@ def _make_readable(root: Path) -> None:
         path.chmod((0o755 if path.is_dir() else 0o644) & ~mask)
 
 
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside ``out``; rename it to ``out`` only on success."""
+# Temporary names beside an output directory OUT: ``.OUT.tmp-<pid>-<random>`` while it is
+# written, ``.OUT.old-<pid>-<random>/OUT`` for the directory it replaces. The pid says whether
+# the writer is still alive; a dead writer's leftovers (kill -9, power loss) are removed by the
+# next write to OUT.
+_TEMP_KINDS = ("tmp", "old")
+LEGACY_STALE_S = 3600.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_temporaries(out: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Leftovers of writes to ``out`` whose writer process is gone: (path, "tmp" / "old")."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FastMTPError(f"{out} already exists; choose another output path or pass --overwrite")
     parent = out.parent if str(out.parent) else Path(".")
+    found = []
+    for kind in _TEMP_KINDS:
+        prefix = f".{out.name}.{kind}-"
+        try:
+            names = [p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+        except OSError:
+            return []
+        for p in names:
+            rest = p.name[len(prefix):]
+            pid = rest.split("-", 1)[0]
+            if "-" in rest and pid.isdigit():
+                stale = int(pid) != os.getpid() and not _pid_alive(int(pid))
+            else:  # named before the pid was part of the name: stale once it is an hour old
+                try:
+                    stale = time.time() - p.stat().st_mtime > LEGACY_STALE_S
+                except OSError:
+                    stale = False
+            if stale:
+                found.append((p, kind))
+    return sorted(found)
+
+
+def clean_stale_temporaries(out: str | os.PathLike, log: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove what an interrupted write to ``out`` left beside it, and say so.
+
+    A ``.old-`` directory holds the previous ``out``: when ``out`` itself is missing (the crash
+    fell between the two renames) it is put back instead of removed."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(out)
+    removed = []
+    for path, kind in stale_temporaries(out):
+        previous = path / out.name
+        if kind == "old" and not out.exists() and is_draft_dir(previous):
+            os.replace(previous, out)
+            log(f"restored {out} from {path.name}, left by an interrupted overwrite")
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            log(f"removed {path}: a temporary directory left by an interrupted write to {out.name}")
+    return removed
+
+
+def check_output(out: str | os.PathLike, overwrite: bool,
+                 replaceable: Callable[[Path], bool] | None = is_draft_dir) -> None:
+    """Raise FastMTPError unless ``out`` may be written: it does not exist, or ``overwrite`` is
+    set and it is replaceable (a draft directory, by default) or an empty directory."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not overwrite:
+        raise FastMTPError(f"{out} already exists; choose another output path or pass --overwrite")
+    if replaceable is not None and not replaceable(out) and not (
+            out.is_dir() and not any(out.iterdir())):
+        raise FastMTPError(f"{out} exists and is not a draft directory (no config.json with a "
+                           "'fastmtp' block); --overwrite replaces only draft directories: "
+                           "choose another output path, or remove it yourself")
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False,
+               replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
+
+    Leftovers of an earlier, interrupted write to ``out`` are removed first (see
+    ``clean_stale_temporaries``). With ``overwrite``, an existing ``out`` is replaced only when
+    ``replaceable(out)`` (default: always) or when it is an empty directory."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if parent.is_dir():
+        clean_stale_temporaries(out)
+    check_output(out, overwrite, replaceable)
     if not parent.exists():
         try:
             parent.mkdir(parents=True)
         except OSError as exc:
             raise FastMTPError(f"cannot create {parent}: {exc.strerror}") from None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
     except OSError as exc:
         raise FastMTPError(f"cannot write into {parent}: {exc.strerror}") from None
     try:
         yield tmp
         _make_readable(tmp)  # mkdtemp made it 0700: a served model directory is read by others
         if out.exists():  # overwrite: move the old one aside first so a crash keeps one of them
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=parent))
             os.replace(out, trash / out.name)
             os.replace(tmp, out)
             shutil.rmtree(trash, ignore_errors=True)
@@ -249,7 +349,7 @@ def save_draft_dir(out: str | os.PathLike, config: dict[str, Any],
     dtype = getattr(torch, str(config.get("torch_dtype", "bfloat16")).replace("torch.", ""))
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state_dict.items()}
     try:
-        with atomic_dir(out, overwrite=overwrite) as tmp:
+        with atomic_dir(out, overwrite=overwrite, replaceable=is_draft_dir) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "fastmtp": "1"})
             for name, text in (extra_files or {}).items():

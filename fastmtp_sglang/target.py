@@ -87,9 +87,15 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
     return Target(model, tok, cfg, cfg.get("_name_or_path") or path.name)
 
 
+BASE_CHECKS = ("base config hash", "tokenizer hash")
+
+
 def check_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
                tokenizer: Any | None = None) -> list[tuple[str, bool, str]]:
     """Compare a draft's config with a target's: a list of (check, ok, detail)."""
+    if not isinstance(draft_config, dict):
+        raise MismatchError(f"a draft's config.json must hold a JSON object, got "
+                            f"{type(draft_config).__name__}")
     rows = []
     for key in ("hidden_size", "vocab_size"):
         d, t = draft_config.get(key), target_config.get(key)
@@ -100,21 +106,39 @@ def check_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
             continue
         # heads may differ by design (the head's own block), but a change is worth showing
         rows.append((key, True, f"draft {d}, target {t}" + ("" if d == t else " (differs)")))
-    base = draft_config.get("fastmtp", {}).get("base_model", {})
+    meta = draft_config.get("fastmtp")
+    base = meta.get("base_model") if isinstance(meta, dict) else None
+    base = base if isinstance(base, dict) else {}
     if base.get("config_sha256"):
-        same = base["config_sha256"] == config_hash(target_config)
-        rows.append(("base config hash", same, f"draft made for {base.get('name')!r}"))
+        mine = config_hash(target_config)
+        same = base["config_sha256"] == mine
+        rows.append(("base config hash", same, f"draft made for {base.get('name')!r}" + (
+            "" if same else f" (config hash {base['config_sha256']}; this target's is {mine}: "
+                            "another architecture or size)")))
     if tokenizer is not None and base.get("tokenizer_sha256"):
-        same = base["tokenizer_sha256"] == tokenizer_hash(tokenizer)
+        mine = tokenizer_hash(tokenizer)
+        same = base["tokenizer_sha256"] == mine
         rows.append(("tokenizer hash", same, "same tokenizer" if same else
-                     "the draft was made with another tokenizer"))
+                     f"the draft was made with another tokenizer (hash {base['tokenizer_sha256']}; "
+                     f"this target's is {mine})"))
     return rows
 
 
 def require_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
-                 tokenizer: Any | None = None, where: str = "draft") -> None:
-    """Raise MismatchError when hidden size or vocabulary differ (the head cannot run)."""
-    bad = [f"{name}: {detail}" for name, ok, detail in check_fits(draft_config, target_config)
+                 tokenizer: Any | None = None, where: str = "draft",
+                 allow_base_mismatch: bool = False) -> list[str]:
+    """Raise MismatchError when the draft cannot run on the target (hidden size or vocabulary
+    differ) or was made for another one (its recorded base-model config or tokenizer hash is not
+    this target's), unless ``allow_base_mismatch``. Returns the base-model mismatches allowed
+    that way (empty when the draft is the target's own), for the caller to warn about."""
+    rows = check_fits(draft_config, target_config, tokenizer)
+    bad = [f"{name}: {detail}" for name, ok, detail in rows
            if not ok and name in ("hidden_size", "vocab_size")]
     if bad:
         raise MismatchError(f"{where} does not fit the target: " + "; ".join(bad))
+    foreign = [f"{name}: {detail}" for name, ok, detail in rows if not ok and name in BASE_CHECKS]
+    if foreign and not allow_base_mismatch:
+        raise MismatchError(f"{where} was made for another target: " + "; ".join(foreign)
+                            + ". Pass --allow-base-mismatch to use it anyway (its drafts will "
+                            "be accepted less often, or not at all)")
+    return foreign

@@ -473,13 +473,21 @@ def run_cli(capsys):
 
 
 @contextlib.contextmanager
-def reference_server(args: list[str], log_path: Path, startup_s: float = 90.0):
-    """Run `python -m fastmtp_sglang serve --engine reference ARGS --port 0` as a real process on
-    127.0.0.1; yield its URL once /health answers; terminate it on exit."""
+def reference_server_process(args: list[str], log_path: Path, startup_s: float = 90.0,
+                             prelude: str | None = None):
+    """Run `fastmtp serve --engine reference ARGS --host 127.0.0.1 --port 0` as a real process;
+    yield (URL, Popen) once /health answers; stop it with SIGTERM on exit (kill after 20 s).
+
+    ``prelude``: Python source run in the server process before the CLI (tests use it to inject
+    faults into the engine); the process is then ``python -c`` instead of ``python -m``."""
     from fastmtp_sglang import client
 
-    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
-           "--host", "127.0.0.1", "--port", "0", *args]
+    cli = ["serve", "--engine", "reference", "--host", "127.0.0.1", "--port", "0", *args]
+    if prelude is None:
+        cmd = [sys.executable, "-m", "fastmtp_sglang", *cli]
+    else:
+        run = "\nimport sys\nfrom fastmtp_sglang.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+        cmd = [sys.executable, "-c", prelude + run, *cli]
     # one thread: the tiny models gain nothing from more, and the test process shares the cores
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
@@ -495,11 +503,20 @@ def reference_server(args: list[str], log_path: Path, startup_s: float = 90.0):
             else:
                 time.sleep(0.1)
         client.wait_for_health(url, timeout=30, process=proc)
-        yield url
+        yield url, proc
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def reference_server(args: list[str], log_path: Path, startup_s: float = 90.0):
+    """Run `python -m fastmtp_sglang serve --engine reference ARGS --port 0` as a real process on
+    127.0.0.1; yield its URL once /health answers; stop it on exit."""
+    with reference_server_process(args, log_path, startup_s) as (url, _):
+        yield url

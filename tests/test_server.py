@@ -10,6 +10,7 @@ sequential runs must agree token for token).
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -245,6 +246,16 @@ BAD = [
     ("empty prompt", b'{"input_ids": []}', "empty"),
     ("too long", json.dumps({"input_ids": TOO_LONG}).encode(), "context"),
     ("too long, streamed", json.dumps({"input_ids": TOO_LONG, "stream": True}).encode(), "context"),
+    # values the engine's float32 / int64 tensors cannot hold (they used to fail the whole batch)
+    ("top_k over int64", b'{"text": "hi", "sampling_params": {"top_k": 100000000000000000000}}',
+     "int64"),
+    ("temperature over float32", b'{"text": "hi", "sampling_params": {"temperature": 1e308}}',
+     "float32"),
+    ("top_p under float32", b'{"text": "hi", "sampling_params": {"top_p": 1e-300}}', "float32"),
+    ("lone surrogate", b'{"text": "ab\\ud800cd"}', "lone surrogate (U+D800) at character 2"),
+    ("nested 100k deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("a 5000-digit token id", b'{"input_ids": [1' + b"0" * 5000 + b"]}", "4300 digits"),
+    ("lone low surrogate", b'{"text": "\\udc00", "rid": "\\ud800"}', "U+DC00"),
 ]
 
 
@@ -253,6 +264,23 @@ def test_bad_request_is_400_and_server_keeps_serving(server, body, needle):
     status, obj = post_raw(server, body)
     assert status == 400
     assert needle in obj["error"]["message"]
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "HEAD", "GET", "PATCH"])
+def test_wrong_method_is_json_405(server, method):
+    req = urllib.request.Request(server + "/generate", data=b"{}" if method != "GET" else None,
+                                 method=method)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    with err.value as resp:
+        assert resp.code == 405 and resp.headers["Allow"] == "POST"
+        body = resp.read()
+    if method != "HEAD":  # HEAD replies have no body
+        assert resp.headers["Content-Type"] == "application/json"
+        assert "use POST" in json.loads(body)["error"]["message"]
+    req = urllib.request.Request(server + "/health", method="HEAD")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
 
 
 def test_errors_then_still_serving(server):
@@ -375,6 +403,8 @@ def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
             return 0
 
     monkeypatch.setattr(serve.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(serve, "cuda_available", lambda: True)
+    monkeypatch.setattr(serve, "check_sglang_can_run", lambda: None)
     rc, out, err = run_cli("serve", "--engine", "sglang", "--target", world[0], "--draft", world[1],
                            "--steps", "3", "--port", "31234", "--", "--mem-fraction-static", "0.5")
     assert rc == 0, err
@@ -389,3 +419,321 @@ def test_cli_reference_refuses_a_missing_vocab_table(world, run_cli, tmp_path):
     rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--draft",
                          world[1], "--steps", "2", "--vocab", str(tmp_path / "nope.pt"))
     assert rc == 1 and "nope.pt" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_sglang_engine_without_cuda_is_one_line(world, run_cli, monkeypatch):
+    """No CUDA: one line that says so and points at --engine reference; nothing starts."""
+    import subprocess
+    import sys
+
+    from fastmtp_sglang import serve
+
+    def no_popen(*args, **kwargs):
+        raise AssertionError("nothing may be started without CUDA")
+
+    monkeypatch.setattr(serve.subprocess, "Popen", no_popen)
+    rc, out, err = run_cli("serve", "--engine", "sglang", "--target", world[0], "--draft",
+                           world[1], "--steps", "3")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
+    assert "CUDA" in err and "--engine reference" in err
+    monkeypatch.undo()  # (serve.subprocess is the subprocess module itself)
+    # the real console: exit 1, one line on stderr, no traceback
+    proc = subprocess.run([sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "sglang",
+                           "--target", str(world[0]), "--draft", str(world[1])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    lines = [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and ln.strip()]
+    assert len(lines) == 1 and "--engine reference" in lines[0], proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# in-process servers: isolation, cancellation, back-pressure, limits
+# --------------------------------------------------------------------------------------------
+
+POISON = [7, 7, 7, 7]  # a prompt starting with these makes the faulty engine below raise
+
+
+def faulty_engine(target, delay_s: float = 0.0, fail_after: int | None = None):
+    """A K=0 ReferenceEngine whose target forward sleeps ``delay_s``, and whose ``generate``
+    raises on any batch holding a POISON prompt: at once, or (``fail_after``) after that many
+    token callbacks, when the other rows have already streamed tokens."""
+    from fastmtp_sglang.engine import ReferenceEngine
+
+    class Faulty(ReferenceEngine):
+        def _target(self, *args, **kwargs):
+            time.sleep(delay_s)
+            return super()._target(*args, **kwargs)
+
+        def generate(self, requests, on_tokens=None):
+            if not any(list(r.input_ids[:4]) == POISON for r in requests):
+                return super().generate(requests, on_tokens=on_tokens)
+            if fail_after is None:
+                raise RuntimeError("poisoned")
+            calls = []
+
+            def counting(i, ids):
+                on_tokens(i, ids)
+                calls.append(i)
+                if len(calls) >= fail_after:
+                    raise RuntimeError("poisoned mid-generation")
+
+            return super().generate(requests, on_tokens=counting)
+
+    return Faulty(target, None, 0, MAX_CONTEXT)
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_poisoned_request_fails_alone(world, local_target):
+    """The engine raises mid-generation on a batch of 5: the poisoned request gets 500, the
+    other four (two of them streams that had already sent tokens) get their exact answers."""
+    from fastmtp_sglang.server import ReferenceServer
+
+    _, _, tok, model = world
+    goods = [tok(p)["input_ids"] for p in PROMPTS]
+    want = [greedy_oracle(model, ids) for ids in goods]
+    engine = faulty_engine(local_target, fail_after=7)
+    # the batch runs once all 5 are in (or after 5 s)
+    with ReferenceServer(engine, "127.0.0.1", 0, max_batch=5, batch_window_s=5.0) as srv:
+        def stream(ids):
+            return list(client.stream_generate(srv.url, input_ids=ids, sampling_params=GREEDY))
+
+        with ThreadPoolExecutor(5) as pool:
+            plain = [pool.submit(client.generate, srv.url, input_ids=ids, sampling_params=GREEDY)
+                     for ids in goods[:2]]
+            streams = [pool.submit(stream, ids) for ids in goods[2:]]
+            poisoned = pool.submit(client.generate, srv.url, input_ids=POISON + [5],
+                                   sampling_params=GREEDY)
+            with pytest.raises(client.ServerError) as err:
+                poisoned.result()
+            assert err.value.status == 500 and "poisoned mid-generation" in err.value.message
+            assert [f.result()["output_ids"] for f in plain] == want[:2]
+            for fut, expected in zip(streams, want[2:]):
+                chunks = fut.result()
+                assert chunks[-1]["output_ids"] == expected
+                for a, b in zip(chunks, chunks[1:]):  # never re-sent, never taken back
+                    assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+                    assert len(b["output_ids"]) >= len(a["output_ids"])
+        info = srv.server_info()
+        assert info["largest_batch"] == 5 and info["batches_retried"] >= 1
+        assert info["requests_failed"] == 1 and info["requests_served"] == 4
+        assert info["requests_in_flight"] == 0 and info["admitted"] == 0
+
+
+def _stream_then_leave(url: str, body: dict, n_events: int) -> int:
+    import http.client
+    import socket
+
+    host, port = url.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    seen = 0
+    for line in resp:
+        seen += line.startswith(b"data:")
+        if seen >= n_events:
+            break
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return seen
+
+
+def test_client_disconnect_aborts_generation(world, local_target):
+    """A stream that leaves after 2 events, and a plain request that leaves while it waits,
+    stop generating (the engine would otherwise make 60 tokens for each; the bound of 20 leaves
+    room for a client thread that a busy machine schedules late)."""
+    import socket
+
+    from fastmtp_sglang.server import ReferenceServer
+
+    long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    engine = faulty_engine(local_target, delay_s=0.03)
+    with ReferenceServer(engine, "127.0.0.1", 0, max_batch=4) as srv:
+        assert _stream_then_leave(srv.url, {"input_ids": [5, 6, 7], "stream": True,
+                                            "sampling_params": long}, 2) == 2
+        wait_until(lambda: srv.server_info()["requests_in_flight"] == 0)
+        info = srv.server_info()
+        assert info["requests_aborted"] == 1 and info["generated_tokens"] < 20, info
+        host, port = srv.url.rsplit("/", 1)[1].split(":")
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": long}).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+            wait_until(lambda: srv.server_info()["generated_tokens"] > info["generated_tokens"])
+        wait_until(lambda: srv.server_info()["requests_in_flight"] == 0)
+        after = srv.server_info()
+        assert after["requests_aborted"] == 2 and after["requests_served"] == 0
+        assert after["generated_tokens"] - info["generated_tokens"] < 20, after
+
+
+def test_abort_request_like_sglang(world, local_target):
+    from fastmtp_sglang.server import ReferenceServer
+
+    import threading
+
+    long = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    engine = faulty_engine(local_target, delay_s=0.03)
+    first_chunk = threading.Event()
+
+    def stream():
+        chunks = []
+        for chunk in client.stream_generate(srv.url, input_ids=[5, 6, 7], sampling_params=long,
+                                            rid="s1"):
+            chunks.append(chunk)
+            first_chunk.set()
+        return chunks
+
+    with ReferenceServer(engine, "127.0.0.1", 0, max_batch=4) as srv:
+        with ThreadPoolExecutor(3) as pool:
+            s1 = pool.submit(stream)
+            first_chunk.wait(30)
+            n1 = pool.submit(client.generate, srv.url, input_ids=[8, 9], sampling_params=long,
+                             rid="n1")
+            client.abort_request(srv.url, "s1")
+            client.abort_request(srv.url, "no-such-rid")  # SGLang: not an error
+            chunks = s1.result()
+            fr = chunks[-1]["meta_info"]["finish_reason"]
+            assert fr["type"] == "abort" and "abort_request" in fr["message"]
+            assert 1 <= len(chunks[-1]["output_ids"]) < 40
+            n3 = pool.submit(client.generate, srv.url, input_ids=[10, 11], sampling_params=long)
+            wait_until(lambda: srv.server_info()["requests_in_flight"] == 2)
+            client.abort_request(srv.url, abort_all=True)
+            for fut in (n1, n3):  # non-streaming: 200 with what it had (maybe 0), as SGLang
+                out = fut.result()
+                assert out["meta_info"]["finish_reason"]["type"] == "abort"
+                assert len(out["output_ids"]) < 40
+        status, obj = post_raw(srv.url, b'{"rid": 5}', path="/abort_request")
+        assert status == 400 and "'rid'" in obj["error"]["message"]
+        status, obj = post_raw(srv.url, b"{}", path="/abort_request")
+        assert status == 400 and "abort_all" in obj["error"]["message"]
+        assert srv.server_info()["requests_aborted"] == 3
+
+
+def test_full_queue_is_503_with_retry_after(world, local_target):
+    from fastmtp_sglang.server import ReferenceServer
+
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    engine = faulty_engine(local_target, delay_s=0.02)
+    with ReferenceServer(engine, "127.0.0.1", 0, max_batch=1, max_queue=2) as srv:
+        def one(i):
+            try:
+                return client.generate(srv.url, input_ids=[5, 6, 7], sampling_params=params)
+            except client.ServerError as exc:
+                return exc
+
+        with ThreadPoolExecutor(10) as pool:
+            outs = list(pool.map(one, range(10)))
+        busy = [o for o in outs if isinstance(o, client.ServerError)]
+        done = [o for o in outs if not isinstance(o, client.ServerError)]
+        assert busy and len(done) >= 2, outs  # at least the 2 that may wait
+        assert all(e.status == 503 and e.retry_after >= 1 and "--max-queue 2" in e.message
+                   for e in busy)
+        assert len({tuple(o["output_ids"]) for o in done}) == 1  # all answered, all the same
+        assert srv.server_info()["requests_busy"] == len(busy)
+        assert client.generate(srv.url, input_ids=[5, 6, 7], sampling_params=params)  # recovered
+
+
+def test_body_limits_timeouts_and_tokenizer_thread(world, local_target):
+    """413 before the body is read, a cheap length check before tokenizing, tokenizing on its
+    own thread, 408 for a body that stalls, and a connection closed when headers stall."""
+    import socket
+    import threading
+
+    from fastmtp_sglang.engine import ReferenceEngine
+    from fastmtp_sglang.server import ReferenceServer
+
+    calls = []
+
+    class SpyTokenizer:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __call__(self, text, **kwargs):
+            calls.append((threading.current_thread().name, len(text)))
+            return self.tok(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
+    with ReferenceServer(engine, "127.0.0.1", 0, max_body_bytes=1 << 20,
+                         read_timeout_s=1.0) as srv:
+        srv.tokenizer = SpyTokenizer(srv.tokenizer)
+        host, port = srv.url.rsplit("/", 1)[1].split(":")
+        # a 2 MB body from a client that sends it all before reading: 413, not a reset
+        t0 = time.monotonic()
+        status, obj = post_raw(srv.url, json.dumps({"text": "x" * (2 << 20)}).encode())
+        assert status == 413 and "at most 1048576" in obj["error"]["message"]
+        # 50 MB announced with Expect: 100-continue: refused before a byte of it is sent
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: 52428800\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 413 ")
+        assert time.monotonic() - t0 < 5
+        # 900 KB of text cannot fit 64 tokens: refused from its length, never tokenized
+        status, obj = post_raw(srv.url, json.dumps({"text": "abc " * 230_000}).encode())
+        assert status == 400 and "characters" in obj["error"]["message"] and not calls
+        out = client.generate(srv.url, text="Hello", sampling_params=GREEDY)
+        assert out["meta_info"]["completion_tokens"] == N_NEW
+        assert calls == [("fastmtp-tokenize_0", 5)]
+        # a body that stops half-way: 408 after the read timeout
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"te")
+            reply = b""
+            while chunk := s.recv(1000):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in reply
+        # headers that never end: the connection is closed after the read timeout
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+            assert s.recv(1000) == b""
+        assert 1.5 < time.monotonic() - t0 < 6
+        assert client.generate(srv.url, input_ids=[5, 6], sampling_params=GREEDY)["output_ids"]
+        assert srv.server_info()["admitted"] == 0
+
+
+def test_in_process_shutdown_answers_streams_in_flight(world, local_target):
+    """shutdown() with a stream in flight and shutdown_timeout_s 0.3: the stream ends with an
+    abort event and [DONE]; a request waiting behind it gets 503 + Retry-After."""
+    from fastmtp_sglang.server import ReferenceServer
+
+    long = {"temperature": 0, "max_new_tokens": 50, "ignore_eos": True}
+    engine = faulty_engine(local_target, delay_s=0.03)
+    srv = ReferenceServer(engine, "127.0.0.1", 0, max_batch=1, shutdown_timeout_s=0.3).start()
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(lambda: list(client.stream_generate(srv.url, input_ids=[5, 6],
+                                                                   sampling_params=long)))
+        wait_until(lambda: srv.server_info()["generated_tokens"] >= 2)
+        waiting = pool.submit(client.generate, srv.url, input_ids=[7, 8], sampling_params=long)
+        wait_until(lambda: srv.server_info()["requests_in_flight"] == 2)
+        t0 = time.monotonic()
+        srv.shutdown()
+        assert time.monotonic() - t0 < 5
+        chunks = streamed.result()
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        with pytest.raises(client.ServerError) as err:
+            waiting.result()
+        assert err.value.status == 503 and err.value.retry_after >= 1
+    assert not srv.worker_alive
+
+
+def test_connection_burst_is_not_reset(world, local_target):
+    """128 clients connecting at once (the old server's listen backlog was 5)."""
+    from fastmtp_sglang.engine import ReferenceEngine
+    from fastmtp_sglang.server import ReferenceServer
+
+    def health(_):
+        with urllib.request.urlopen(srv.url + "/health", timeout=60) as resp:
+            return resp.status
+
+    engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
+    with ReferenceServer(engine, "127.0.0.1", 0) as srv:
+        with ThreadPoolExecutor(128) as pool:
+            assert list(pool.map(health, range(128))) == [200] * 128
