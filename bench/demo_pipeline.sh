@@ -1,57 +1,86 @@
 #!/usr/bin/env bash
 # The whole FastMTP pipeline for the demo target (SmolLM2-135M-Instruct), from nothing, on CPU:
 #
-#   materialise the target -> init-head -> self-distil (reference server, K=0) -> train a vanilla
-#   head (1 step, teacher-forced) and a FastMTP head (K=3, train-as-you-serve) -> bench all heads
-#   across K on the Spec-Bench subset.
+#   materialise the target -> init-head -> prompts (shipped instruction sets + synthesised task
+#   prompts, shuffled) -> self-distil in-process (continuous batching, n samples per prompt) ->
+#   feature cache (the target runs once) -> learning curves (FastMTP vs vanilla) -> full training
+#   runs -> vocab table from the target's own answers -> bench against prompt lookup.
 #
-#   bash bench/demo_pipeline.sh [WORKDIR]        (default runs/demo-pipeline)
+#   bash bench/demo_pipeline.sh [WORKDIR]        (default runs/demo-pipeline-v2)
 #
-# Settings are the ones the committed results in bench/results/ were made with (budget: one
-# working session on 2 CPU cores). Environment overrides: N_PROMPTS (distilled prompts, default
-# 458), EPOCHS (default 3), PORT (default 30100). Every step resumes or reuses what exists.
+# Every step resumes or reuses what exists, so the script can be stopped (Ctrl-C) and rerun, on
+# this session or the next: distill resumes from its output file, features from their partial
+# shards, train/curve from their checkpoints. Environment overrides below. Budget on 2 CPU cores:
+# distill ~250 response tokens/s at batch 64 (bench/results/distill_throughput), i.e. about an
+# hour per million tokens; features about 5 min per million tokens; one training epoch over a
+# million tokens about 20-40 min (bench/results/train_throughput).
+#
+# STAGE=distill stops after the distillation (the long part), STAGE=curve after the curves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-W=${1:-runs/demo-pipeline}
-N_PROMPTS=${N_PROMPTS:-458}
-EPOCHS=${EPOCHS:-3}
-PORT=${PORT:-30100}
+W=${1:-runs/demo-pipeline-v2}
+N=${N:-4}                      # samples per prompt
+MAX_NEW=${MAX_NEW:-256}        # response length cap
+BATCH=${BATCH:-64}             # distill rows decoded together
+EPOCHS=${EPOCHS:-2}
+LR=${LR:-1e-3}
+STAGE=${STAGE:-all}
 BIN=${BIN:-.venv/bin}
 mkdir -p "$W"
 
 T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2; print(materialize_smollm2())")
 echo "target: $T"
-
 [[ -f $W/init/config.json ]] || "$BIN/fastmtp" init-head --target "$T" "$W/init"
 
-# self-distillation: the target's own answers (T=0.6, top-p 0.95, top-k 20) to the training prompts
-if [[ ! -f $W/distill.done ]]; then
-    "$BIN/fastmtp" serve --engine reference --target "$T" --steps 0 --port "$PORT" \
-        --dtype bfloat16 --max-batch 16 --batch-window-ms 50 > "$W/server.log" 2>&1 &
-    SERVER=$!
-    trap 'kill $SERVER 2>/dev/null || true' EXIT
-    "$BIN/python" -c "from fastmtp_sglang.client import wait_for_health; wait_for_health('http://127.0.0.1:$PORT', 300)"
-    "$BIN/fastmtp" distill --url "http://127.0.0.1:$PORT" --tokenizer "$T" \
-        --prompts fastmtp_sglang/data/train_prompts/alpaca_eval_instructions.jsonl \
-                  fastmtp_sglang/data/train_prompts/self_instruct_seed.jsonl \
-        --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl \
-        --max-new-tokens 256 --concurrency 16 --limit "$N_PROMPTS" --out "$W/distill.jsonl"
-    kill $SERVER; trap - EXIT
-    touch "$W/distill.done"
-fi
+# training prompts: the two instruction sets and the synthesised task prompts, shuffled (seed 0)
+# so that any prefix of the distilled data mixes every kind (learning curves take prefixes)
+P=fastmtp_sglang/data/train_prompts
+[[ -f $W/prompts-mix.jsonl ]] || "$BIN/python" - "$W/prompts-mix.jsonl" \
+    "$P/alpaca_eval_instructions.jsonl" "$P/self_instruct_seed.jsonl" "$P/synth_tasks.jsonl" <<'EOF'
+import random, sys
+out, *files = sys.argv[1:]
+rows = [line for f in files for line in open(f, encoding="utf-8") if line.strip()]
+random.Random(0).shuffle(rows)
+open(out, "w", encoding="utf-8").writelines(rows)
+EOF
 
-common=(--target "$T" --init "$W/init" --data "$W/distill.jsonl" --epochs "$EPOCHS"
-        --batch-size 4 --max-len 512 --lr 1e-3 --vocab vocab_tables/smollm2/en-16384.pt)
-[[ -f $W/vanilla/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --vanilla --out "$W/vanilla"
+# self-distillation: the target's own answers (T=0.6, top-p 0.95, top-k 20), N per prompt,
+# generated in this process; evaluation prompts refused by --exclude
+"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-mix.jsonl" \
+    --n "$N" --max-new-tokens "$MAX_NEW" --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl \
+    --out "$W/distill.jsonl"
+sha256sum "$W/distill.jsonl" | tee "$W/distill.sha256"
+[[ $STAGE == distill ]] && exit 0
+
+# the target's hidden states and top-32 log-probabilities, once
+"$BIN/fastmtp" features --target "$T" --data "$W/distill.jsonl" --out "$W/features" \
+    --max-len 512 --topk 32
+
+# learning curves: does more data move tau? (held-out rows and dev prompts fixed across points)
+"$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$W/distill.jsonl" --out "$W/curve" \
+    --features "$W/features" --tokens 84000,250000,500000,1000000 \
+    --arm fastmtp= --arm vanilla=--vanilla --heldout-rows 200 --serve-steps 1,3 \
+    --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
+    -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR"
+[[ $STAGE == curve ]] && exit 0
+
+# a compressed table from the target's own answers (what the head must predict)
+"$BIN/python" -c "
+import json, sys
+with open('$W/responses.txt', 'w', encoding='utf-8') as f:
+    for line in open('$W/distill.jsonl', encoding='utf-8'):
+        f.write(json.loads(line)['response'].replace('\n\n', '\n') + '\n\n')"
+"$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size 16384 --corpus "$W/responses.txt" \
+    --out "$W/vocab"
+
+common=(--target "$T" --init "$W/init" --data "$W/distill.jsonl" --features "$W/features"
+        --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --save-every 200)
 [[ -f $W/fastmtp-k3/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --out "$W/fastmtp-k3"
+[[ -f $W/vanilla/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --vanilla --out "$W/vanilla"
 
-# every head on the same prompts (Spec-Bench, 1 per category), greedy, K=0..5, in one process each
-for head in init vanilla fastmtp-k3; do
-    "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$W/$head" --steps 0,1,2,3,4,5 \
-        --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 64 \
-        --vocab full --label "SmolLM2-135M, $head head, full vocab" --out "$W/bench-$head"
+# the heads against prompt lookup on the dev prompts (2 per Spec-Bench category, 128 tokens)
+for head in vanilla fastmtp-k3; do
+    "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$W/$head" --steps 0,1,2,3,4,5,6,7 \
+        --ngram-steps 3,5 --prompts bench/data/spec_bench.jsonl --limit-per-category 2 \
+        --max-new-tokens 128 --repeats 3 --vocab full --out "$W/bench-$head"
 done
-"$BIN/fastmtp" bench --engine reference --target "$T" --draft "$W/fastmtp-k3" --steps 0,3 \
-    --prompts bench/data/spec_bench.jsonl --limit-per-category 1 --max-new-tokens 64 \
-    --vocab vocab_tables/smollm2/en-16384.pt --label "SmolLM2-135M, fastmtp-k3, en-16384" \
-    --out "$W/bench-fastmtp-k3-en16384"

@@ -4,6 +4,8 @@
       --prompts bench/data/spec_bench.jsonl --limit-per-category 2 --out R/
   fastmtp bench --url http://127.0.0.1:30000 --url http://127.0.0.1:30001 --target T \\
       --prompts bench/data/spec_bench.jsonl --out R/
+
+bench/data/*.jsonl also ships in the wheel: --prompts "$(python -m fastmtp_sglang.bench_data spec_bench.jsonl)"
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")
     p.add_argument("--draft", help="draft directory (in-process)")
     p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Spec-Bench, C-Eval, "
-                   "{id, prompt} JSONL)")
+                   "{id, prompt} JSONL; the shipped ones: python -m fastmtp_sglang.bench_data)")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--category", action="append", default=None, help="only this category (repeatable)")
     p.add_argument("--raw", action="store_true", help="send prompts as they are, no chat template")

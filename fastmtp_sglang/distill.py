@@ -7,6 +7,10 @@
     # through any SGLang-compatible server (SGLang on a GPU):
     fastmtp distill --url http://127.0.0.1:30000 --tokenizer T --prompts ... --out data.jsonl
 
+(paths in a source checkout; an installed wheel ships the same files: ``python -m
+fastmtp_sglang.bench_data --train`` prints the training-prompt folder, ``python -m
+fastmtp_sglang.bench_data`` the folder holding spec_bench.jsonl and c_eval_zh.jsonl)
+
 Two engines, one output format. ``--target`` generates in this process with
 ``fastmtp_sglang.batch_gen`` (a static KV cache of ``--batch-size`` slots, refilled as rows
 finish; each sample seeded as below; in fp32 the same tokens as ``fastmtp serve --engine
@@ -994,7 +998,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"first retry delay in seconds, doubling after each (max {MAX_BACKOFF_S:g} s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
-                   help="evaluation files: prompts overlapping their texts are refused")
+                   help="evaluation files: prompts overlapping their texts are refused (the "
+                   "shipped ones: python -m fastmtp_sglang.bench_data)")
     p.add_argument("--drop-truncated", action="store_true",
                    help="drop responses cut at --max-new-tokens (default: keep and count them)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts (after --exclude)")

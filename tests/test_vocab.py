@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import itertools
 import json
 import math
 from pathlib import Path
@@ -293,6 +295,12 @@ def test_shipped_tables_are_consistent(path):
     assert int(table.ids.max()) < meta["tokenizer"]["vocab_size"]
     assert set(meta["always_included"]) <= set(table.ids.tolist())
     assert 0.9 < meta["coverage"]["heldout"] <= 1.0 and meta["sources"] and meta["command"].startswith("fastmtp build-vocab")
+    # a shipped sidecar names no path of the machine that built it, and no evaluation file
+    text = path.with_suffix(".json").read_text(encoding="utf-8")
+    assert '"/' not in text and "/work/" not in text and "site-packages" not in text
+    assert not any(name in text for name in ("spec_bench", "c_eval")), "tables are never measured on evaluation data"
+    for source in meta["sources"]:
+        assert source.get("packages") or source.get("sha256"), f"{source['name']}: no version or hash recorded"
 
 
 @needs_qwen
@@ -311,31 +319,137 @@ def test_shipped_qwen2_tables_match_the_qwen_tokenizer(qwen):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_build_vocab_cli(tmp_path, capsys):
+# 40 distinct documents, each holding "the cat" and "the mat" once and its own word twice: in the
+# kept-in documents the, cat and mat outrank every own word whatever the split, so a size-8 table
+# (3 special ids + 5) holds them by construction, not by the luck of the hash.
+CLI_WORDS = ("the", "cat", "sat", "on", "mat", "a", "dog", *(f"w{i}" for i in range(40)))
+CLI_DOCS = [f"the cat w{i} sat on the mat w{i}" for i in range(40)]
+
+
+def _cli_parser():
     import argparse
 
     from fastmtp_sglang import vocab_cli
 
-    tokdir = tmp_path / "tok"
-    tiny_tokenizer().save_pretrained(tokdir)
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": t}) for t in ["the cat sat", "the dog sat on a mat"] * 20))
-    plain = tmp_path / "p.txt"
-    plain.write_text("the cat\n\nthe mat\n")
     parser = argparse.ArgumentParser()
     vocab_cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["build-vocab", "--tokenizer", str(tokdir), "--lang", "en", "--size", "8",
-                              "--corpus", str(corpus), f"{plain}:0.5", "--heldout-fraction", "0.2",
-                              "--measure", str(plain), "--out", str(tmp_path / "out"), "--quiet"])
+    return parser
+
+
+def _cli_inputs(tmp_path):
+    tokdir = tmp_path / "tok"
+    tiny_tokenizer(words=CLI_WORDS).save_pretrained(tokdir)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in CLI_DOCS) + "\n")
+    plain = tmp_path / "p.txt"
+    plain.write_text("the cat\n\nthe mat\n")
+    return tokdir, corpus, plain
+
+
+def _build_args(tokdir, corpus, plain, out):
+    return ["build-vocab", "--tokenizer", str(tokdir), "--lang", "en", "--size", "8", "--corpus", str(corpus),
+            f"{plain}:0.5", "--heldout-fraction", "0.2", "--measure", str(plain), "--out", str(out), "--quiet"]
+
+
+def test_build_vocab_cli(tmp_path, capsys):
+    from fastmtp_sglang import vocab_cli
+
+    tokdir, corpus, plain = _cli_inputs(tmp_path)
+    parser = _cli_parser()
+    args = parser.parse_args(_build_args(tokdir, corpus, plain, tmp_path / "out"))
     assert args.func(args) == 0
     meta = json.loads((tmp_path / "out" / "en-8.json").read_text())
+    src = meta["sources"][0]
     assert [s["weight"] for s in meta["sources"]] == [1.0, 0.5]
+    assert [s["name"] for s in meta["sources"]] == ["c.jsonl", "p.txt"]
+    # the split is the documented function of the file's bytes and the document index
+    sha = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    held = [i for i in range(len(CLI_DOCS)) if vocab_cli.held_out(f"sha256:{sha}", i, 0.2)]
+    assert src["sha256"] == sha and src["docs_heldout"] == len(held) and src["docs_train"] == 40 - len(held)
+    assert 3 <= src["docs_train"] and held, "the construction above needs documents on both sides"
+    table = vb.load_table(tmp_path / "out" / "en-8.pt")
+    tok = vb.load_tokenizer(str(tokdir))
+    assert {tok.convert_tokens_to_ids(w) for w in ("the", "cat", "mat")} <= set(table.ids.tolist())
     assert meta["coverage"]["measured"]["p.txt"]["coverage"] == 1.0
+    assert 0.0 < src["coverage_heldout"] < 1.0  # a held-out document's own word is never in the table
     assert "held-out coverage" in capsys.readouterr().out
+    # --evaluate measures an existing table on the same held-out documents, and writes nothing
+    ev = parser.parse_args(["build-vocab", "--tokenizer", str(tokdir), "--lang", "en", "--size", "8",
+                            "--corpus", str(corpus), "--heldout-fraction", "0.2", "--quiet",
+                            "--evaluate", str(tmp_path / "out" / "en-8.pt")])
+    assert ev.func(ev) == 0
+    assert f"{src['coverage_heldout']:.4f} ({src['tokens_heldout']} tokens)" in capsys.readouterr().out
+    cfg = vocab_cli.BuildVocabConfig(tokenizer=str(tokdir), lang="en", size=8, out=None, corpus=[str(corpus)],
+                                     heldout_fraction=0.2, evaluate=tmp_path / "out" / "en-8.pt")
+    rows = vocab_cli.evaluate_table(cfg, show_progress=False)["sources"]
+    assert rows == [{"name": "c.jsonl", "genre": "file", "coverage_heldout": src["coverage_heldout"],
+                     "tokens_heldout": src["tokens_heldout"]}]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["en-8.json", "en-8.pt"]
     bad = parser.parse_args(["build-vocab", "--tokenizer", str(tokdir), "--lang", "en", "--size", "8",
                              "--builtin-corpus", "klingon", "--out", str(tmp_path)])
     with pytest.raises(FastMTPError, match="unknown builtin corpus 'klingon'"):
         bad.func(bad)
+
+
+def test_build_vocab_is_a_function_of_content_and_settings(tmp_path):
+    """The same corpus bytes in two directories, built in two processes with different
+    PYTHONHASHSEED and working directories, give byte-identical tables and sidecars."""
+    import os
+    import subprocess
+    import sys
+
+    tokdir, corpus, plain = _cli_inputs(tmp_path / "a" / "deep" / "dir")
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    for f in (corpus, plain):
+        (copy / f.name).write_bytes(f.read_bytes())
+    parser = _cli_parser()
+    args = parser.parse_args(_build_args(tokdir, corpus, plain, tmp_path / "out1"))
+    assert args.func(args) == 0  # this process: whatever hash seed pytest runs under
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    argv = _build_args(tokdir, copy / "c.jsonl", copy / "p.txt", tmp_path / "out2" / "table.pt")
+    run = subprocess.run([sys.executable, "-m", "fastmtp_sglang", *argv], cwd=copy, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    one, two = tmp_path / "out1" / "en-8", tmp_path / "out2" / "table"
+    assert (one.with_suffix(".pt")).read_bytes() == (two.with_suffix(".pt")).read_bytes()
+    side = one.with_suffix(".json").read_text()
+    assert side == two.with_suffix(".json").read_text().replace("table.pt", "en-8.pt")
+    # no path of this machine in the sidecar: files by name (and SHA-256), the tokenizer by name
+    assert str(tmp_path) not in side and '"/' not in side
+    meta = json.loads(side)
+    assert meta["command"].startswith("fastmtp build-vocab --tokenizer tok --lang en --size 8 "
+                                      "--corpus c.jsonl p.txt:0.5")
+    assert meta["tokenizer"]["name_or_path"] == "tok" and meta["tokenizer"]["spec"] == "tok"
+
+
+def test_math_docstrings_are_docstrings_with_maths(tmp_path):
+    from fastmtp_sglang import vocab_cli
+
+    src = tmp_path / "m.py"
+    src.write_text('''def f(x):
+    r"""The Gamma function.
+
+    .. math:: \\Gamma(z) = \\int_0^\\infty t^{z-1} e^{-t} \\, dt, valid for every complex z off the poles
+    """
+
+
+def g(y):
+    """A plain docstring that is long enough to be read but has no maths markup in it at all, none."""
+
+
+add_newdoc("h", """
+    The Bessel function $J_v(z)$ of the first kind, of real order v at the complex argument z, as scipy has it.
+    """)
+''')
+    docs = [d for d in vocab_cli._long_strings(src) if vocab_cli._MATH_MARKUP.search(d)]
+    assert len(docs) == 2 and docs[0].startswith("The Gamma function") and "$J_v(z)$" in docs[1]
+    assert not any("plain docstring" in d for d in docs)
+    if any(importlib.util.find_spec(m) is None for m, _ in vocab_cli._MATH_PACKAGES):
+        pytest.skip("the math-docstrings corpus needs numpy, scipy, sympy and mpmath")
+    first = list(itertools.islice(vocab_cli.BUILTIN_CORPORA["math-docstrings"].load(0), 5))
+    assert len(first) == 5 and all(vocab_cli._MATH_MARKUP.search(d) for d in first)
 
 
 @pytest.mark.slow
