@@ -191,6 +191,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
     if engine == "sglang":
         return run_sglang(args, extra)
+    if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
+        from fastmtp_sglang.vllm_launch import run_vllm
+
+        return run_vllm(args, extra)
     return run_reference(args, extra)
 
 
@@ -198,9 +202,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a target with a draft head (SGLang, or the reference "
                        "engine on CPU)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=("auto", "reference", "sglang"), default="auto",
+    p.add_argument("--engine", choices=("auto", "reference", "sglang", "vllm"), default="auto",
                    help="auto (default): sglang when CUDA is available and sglang imports, "
-                        "else reference")
+                        "else reference; vllm: `vllm serve` with the draft as its EAGLE "
+                        "speculative model (docs/vllm_backend.md; --dtype applies, arguments "
+                        "after `--` go to vllm serve)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face format)")
     p.add_argument("--draft", default=None,
                    help="draft directory (FastMTP head); optional only with --steps 0")

@@ -1,0 +1,27 @@
+"""The vLLM model class for FastMTP draft directories, registered out of tree.
+
+A sibling of ``fastmtp_sglang.models`` rather than a module inside it: SGLang's
+``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` imports *every* submodule of that
+package in every scheduler process, and a vLLM module there would import vLLM inside SGLang (or
+fail to import where vLLM is absent). Nothing here imports vLLM until vLLM itself resolves the
+class: :func:`register` hands vLLM's registry a ``"module:Class"`` string (vLLM's lazy form).
+
+vLLM runs :func:`register` in each of its processes through the ``vllm.general_plugins`` entry
+point that ``pyproject.toml`` declares (``fastmtp = "fastmtp_sglang.vllm_models:register"``).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "FastMTPForCausalLM"
+# vLLM's EAGLEConfig renames a draft's architecture X to EagleX (method "eagle")
+EAGLE_ARCHITECTURE = "Eagle" + ARCHITECTURE
+MODEL_CLASS = "fastmtp_sglang.vllm_models.fastmtp:FastMTPForCausalLM"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: add the FastMTP draft class to vLLM's registry."""
+    from vllm import ModelRegistry
+
+    for arch in (ARCHITECTURE, EAGLE_ARCHITECTURE):
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, MODEL_CLASS)

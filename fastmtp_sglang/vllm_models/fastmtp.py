@@ -1,0 +1,374 @@
+"""FastMTPForCausalLM for vLLM: a FastMTP draft head served by vLLM's EAGLE proposer.
+
+One draft step (DESIGN.md section 2), on vLLM's own layers::
+
+    e      = embed(x_{i+1})                       # the target's embedding, shared
+    x      = proj(hnorm(h_i), enorm(e))           # layout mimo / deepseek / split
+    x      = block(x)                             # one dense Llama / Qwen2 decoder layer
+    g_i    = final_norm(x)                        # returned, fed back at the next step
+    logits = lm_head(g_i)                         # the target's lm_head, shared
+
+How vLLM runs it (vllm 0.32, ``speculative_config={"method": "eagle", "model": DRAFT_DIR,
+"num_speculative_tokens": K}``; ``fastmtp_sglang.vllm_launch`` builds it):
+
+- ``SpeculativeConfig`` wraps the draft's HF config in an ``EAGLEConfig``, which renames the
+  architecture ``FastMTPForCausalLM`` to ``EagleFastMTPForCausalLM``; both names are registered
+  (:func:`fastmtp_sglang.vllm_models.register`, the ``vllm.general_plugins`` entry point).
+- ``EagleProposer`` calls ``forward(input_ids, positions, hidden_states)`` with ``input_ids``
+  shifted by one and the target's positions (pair (h_i, x_{i+1}) at position i, as our
+  reference engine and SGLang's EAGLE worker do), ``hidden_states`` the target's post-norm
+  hidden states at the first pass and this head's own output at the K-1 recursive ones: one
+  head, reused K times. The proposer takes a pair (what ``compute_logits`` projects, what is
+  fed back); for a FastMTP head both are g_i, so ``forward`` returns ``(g, g)``.
+- ``has_own_embed_tokens = has_own_lm_head = False``: the proposer's ``load_model`` binds the
+  target's ``embed_tokens`` and ``lm_head`` modules in place of the placeholders (which hold no
+  weights, so ``named_parameters()`` is exactly the head and vLLM's loaded-weights check is
+  strict without any help).
+
+The ``method="mtp"`` route cannot take a separate FastMTP directory: vLLM 0.32 accepts it only
+for the ``model_type`` values of its in-tree MTP models (``MTPModelTypes``), and ours is the
+target family's (``llama`` / ``qwen2``), as the draft-directory contract requires.
+
+Compressed vocabulary: vLLM's ``compute_logits(hidden_states)`` carries no request identity, so
+the per-request tables of the SGLang class cannot be chosen here. One global table can:
+``$FASTMTP_VLLM_VOCAB=<table>`` (``fastmtp serve --engine vllm --vocab TABLE``) drafts over that
+table's rows only and scatters them into a full-width row of -inf (the proposer's argmax and the
+rejection sampler see the usual ``[N, V]`` logits). Unset or ``full``: the full vocabulary. Two
+or more tables, ``auto`` or tensor parallelism with a table are refused with a message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
+
+from fastmtp_sglang.draft_dir import check_tensors, expected_shapes
+from fastmtp_sglang.errors import DraftFormatError, FastMTPError
+from fastmtp_sglang.head import HeadConfig
+
+logger = logging.getLogger(__name__)
+
+VOCAB_ENV = "FASTMTP_VLLM_VOCAB"
+FULL_VOCAB = ("", "full", "none")
+
+
+def draft_hf_config(vllm_config: VllmConfig):
+    """The draft directory's own HF config (unwrapped from vLLM's ``EAGLEConfig``)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        raise FastMTPError("FastMTPForCausalLM is a draft model: load it through a "
+                           "speculative_config (method 'eagle'), not as the served model")
+    cfg = spec.draft_model_config.hf_config
+    return getattr(cfg, "model", None) or cfg
+
+
+def head_config_of(hf_config) -> HeadConfig:
+    """The pure-torch head's config for a vLLM-loaded draft config (layout, block, biases)."""
+    cfg = hf_config.to_dict()
+    if "fastmtp" not in cfg:
+        raise DraftFormatError("the draft's config.json has no 'fastmtp' block: not a FastMTP "
+                               "draft directory (make one with `fastmtp convert` or `init-head`)")
+    return HeadConfig.from_dict(cfg)
+
+
+class _TargetPart(nn.Module):
+    """Stand-in for the target's embedding / lm_head until the proposer binds the real one.
+
+    Holds an empty ``[0, H]`` buffer as ``weight`` (vLLM's sharing code reads its width), no
+    parameter, so the draft never allocates or reports a ``[V, H]`` tensor of its own.
+    """
+
+    def __init__(self, hidden_size: int, what: str):
+        super().__init__()
+        self.what = what
+        self.register_buffer("weight", torch.empty(0, hidden_size), persistent=False)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"the draft's {self.what} is the target's and has not been bound: "
+                           "load FastMTPForCausalLM through vLLM's EAGLE proposer")
+
+
+class FastMTPAttention(nn.Module):
+    def __init__(self, hf_config, cfg: HeadConfig, vllm_config: VllmConfig,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = cfg.num_attention_heads
+        self.total_num_kv_heads = cfg.num_key_value_heads
+        if self.total_num_heads % tp_size or (
+            self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads
+        ):
+            raise ValueError(
+                f"tensor parallel size {tp_size} does not split the draft's "
+                f"{self.total_num_heads} query / {self.total_num_kv_heads} KV heads")
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size=cfg.hidden_size, head_size=self.head_dim,
+            total_num_heads=self.total_num_heads, total_num_kv_heads=self.total_num_kv_heads,
+            bias=cfg.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(
+            input_size=self.total_num_heads * self.head_dim, output_size=cfg.hidden_size,
+            bias=cfg.o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        # the target family's rope (transformers 5 normalises rope_theta / rope_scaling into it)
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=cfg.max_position_embeddings,
+            rope_parameters=getattr(hf_config, "rope_parameters", None), is_neox_style=True)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+            cache_config=vllm_config.cache_config, quant_config=quant_config,
+            prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor,  # [T]
+                hidden_states: torch.Tensor,  # [T, H]
+                ) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn(q, k, v))
+        return out
+
+
+class FastMTPMLP(nn.Module):
+    def __init__(self, cfg: HeadConfig, quant_config: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise DraftFormatError(
+                f"hidden_act={cfg.hidden_act!r}: the vLLM draft class supports silu only")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+            quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate_up, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up))
+        return x
+
+
+class FastMTPDecoderLayer(nn.Module):
+    """One dense pre-norm block; it completes its own residual sums (one layer, no stages)."""
+
+    def __init__(self, hf_config, cfg: HeadConfig, vllm_config: VllmConfig,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = FastMTPAttention(hf_config, cfg, vllm_config, quant_config,
+                                          prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = FastMTPMLP(cfg, quant_config, prefix=f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        # fused: residual <- residual + attn_out, hidden <- norm(residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return residual + self.mlp(hidden_states)
+
+
+class FastMTPModel(nn.Module):
+    """Input fusion + block + final norm; returns g, the hidden state the proposer feeds back."""
+
+    def __init__(self, hf_config, cfg: HeadConfig, vllm_config: VllmConfig,
+                 quant_config: QuantizationConfig | None, prefix: str, layer_id: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.layout = cfg.layout
+        self.embed_tokens = _TargetPart(h, "embedding")
+        self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps)
+
+        def proj(name: str, n_in: int) -> ReplicatedLinear:  # small: replicated, no collective
+            return ReplicatedLinear(n_in, h, bias=False, prefix=maybe_prefix(prefix, name))
+
+        if cfg.layout == "mimo":  # input_proj(cat[hnorm(h), enorm(e)])
+            self.input_proj = proj("input_proj", 2 * h)
+        elif cfg.layout == "deepseek":  # eh_proj(cat[enorm(e), hnorm(h)])
+            self.eh_proj = proj("eh_proj", 2 * h)
+        else:  # split: e_proj(enorm(e)) + h_proj(hnorm(h))
+            self.e_proj = proj("e_proj", h)
+            self.h_proj = proj("h_proj", h)
+        # The attention layer registers in vLLM's forward context under its prefix, which must
+        # not collide with the target's layers and must carry a layer index: layers.{N} with N
+        # the target's layer count, as vLLM's own EAGLE heads do.
+        self.layer = FastMTPDecoderLayer(hf_config, cfg, vllm_config, quant_config,
+                                         prefix=maybe_prefix(prefix, f"layers.{layer_id}"))
+        self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps)
+
+    def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The layout's input projection. hidden, embeds: [T, H] -> [T, H]."""
+        h, e = self.hnorm(hidden), self.enorm(embeds)
+        if self.layout == "mimo":
+            return self.input_proj(torch.cat([h, e], dim=-1))[0]
+        if self.layout == "deepseek":
+            return self.eh_proj(torch.cat([e, h], dim=-1))[0]
+        return self.e_proj(e)[0] + self.h_proj(h)[0]
+
+    def forward(self, input_ids: torch.Tensor | None,  # [T]
+                positions: torch.Tensor,  # [T]
+                hidden_states: torch.Tensor,  # [T, H] the target's post-norm h, or our own g
+                inputs_embeds: torch.Tensor | None = None,  # [T, H]
+                ) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.fuse(hidden_states.to(embeds.dtype), embeds)
+        x = self.layer(positions, x)
+        return self.final_norm(x)  # [T, H]
+
+
+class FastMTPForCausalLM(nn.Module):
+    """The vLLM draft model class for a FastMTP draft directory (method ``eagle``)."""
+
+    # the proposer binds the target's embedding and lm_head (llm_base_proposer._maybe_share_*)
+    has_own_embed_tokens = False
+    has_own_lm_head = False
+
+    # checkpoint shard name -> (fused parameter, shard id): the draft directory stores q/k/v and
+    # gate/up separately (FastMTPHead's names); vLLM fuses them for one GEMM each
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = draft_hf_config(vllm_config)
+        self.head_config = cfg = head_config_of(self.config)
+        self.draft_path = vllm_config.speculative_config.model
+        quant_config = get_draft_quant_config(vllm_config)
+        target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.model = FastMTPModel(self.config, cfg, vllm_config, quant_config,
+                                  prefix=maybe_prefix(prefix, "model"), layer_id=target_layers)
+        self.lm_head = _TargetPart(cfg.hidden_size, "lm_head")
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        self.vocab = resolve_vocab_table(self.draft_path, self.config.to_dict(), cfg.vocab_size)
+        if self.vocab is not None and get_tensor_model_parallel_world_size() > 1:
+            raise FastMTPError(f"{VOCAB_ENV}: a compressed draft vocabulary needs tensor "
+                               "parallel size 1 in vLLM (the lm_head is vocabulary-sharded); "
+                               "unset it to draft over the full vocabulary")
+        self._table_rows: torch.Tensor | None = None  # [V', H] rows of the target's lm_head
+        self._table_key: tuple | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None,  # [T]
+                positions: torch.Tensor,  # [T]
+                hidden_states: torch.Tensor,  # [T, H]
+                inputs_embeds: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step over T tokens.
+
+        Returns ``(g, g)``, each [T, H]: the EAGLE proposer takes a pair (what ``compute_logits``
+        projects, what is fed back at the next step), and for a FastMTP head both are g.
+        """
+        g = self.model(input_ids, positions, hidden_states, inputs_embeds)
+        return g, g
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        if self.vocab is None:
+            return self.logits_processor(self.lm_head, hidden_states)
+        ids = self.vocab  # [V'] int64, full-vocabulary ids of the one global table
+        weight = self.lm_head.weight
+        key = (weight.data_ptr(), weight.dtype, weight.device)
+        if self._table_key != key:  # the target's head is frozen: gather its table rows once
+            self._table_rows = weight[ids.to(weight.device)].contiguous()
+            self._table_key = key
+        part = torch.nn.functional.linear(hidden_states.to(weight.dtype), self._table_rows)
+        logits = torch.full((hidden_states.shape[0], self.head_config.vocab_size),
+                            float("-inf"), dtype=part.dtype, device=part.device)
+        logits[:, ids.to(part.device)] = part
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a draft directory's tensors, strictly.
+
+        Names and (unsharded) shapes must be exactly ``FastMTPHead``'s for this config
+        (``draft_dir.expected_shapes``): one ``DraftFormatError`` names every missing,
+        unexpected and mis-shaped tensor, before anything is copied. Returns the names of the
+        parameters loaded: all of them (the target's embedding and lm_head are not parameters
+        of this module; the proposer binds them after loading).
+        """
+        tensors = dict(weights)
+        cfg = self.head_config
+        check_tensors(expected_shapes(cfg), {n: tuple(t.shape) for n, t in tensors.items()},
+                      f"the draft weights for a {cfg.layout}/{cfg.block} FastMTP head")
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors.items():
+            target = "model." + name
+            for param_name, shard_name, shard_id in self.stacked_params_mapping:
+                if shard_name in target:
+                    fused = target.replace(shard_name, param_name)
+                    param = params[fused]
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(fused)
+                    break
+            else:
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(target)
+        assert loaded == set(params), sorted(set(params) ^ loaded)
+        return loaded
+
+
+def resolve_vocab_table(draft_path: str | os.PathLike | None, draft_config: dict,
+                        vocab_size: int) -> torch.Tensor | None:
+    """The one global draft table ``$FASTMTP_VLLM_VOCAB`` asks for, as ids [V'] (None: full).
+
+    Raises FastMTPError for what vLLM cannot do: several tables or ``auto`` (per request), an id
+    outside the vocabulary.
+    """
+    spec = os.environ.get(VOCAB_ENV, "").strip()
+    listed = (draft_config.get("fastmtp") or {}).get("vocab_tables") or []
+    if spec.lower() in FULL_VOCAB:
+        if listed:
+            logger.info("fastmtp: the draft lists per-request vocab tables %s; vLLM's drafter "
+                        "has no request identity at compute_logits, so it drafts over the full "
+                        "vocabulary (%s=<one table> for one global table)", listed, VOCAB_ENV)
+        return None
+    refs = [r.strip() for r in spec.split(",") if r.strip()]
+    if spec.lower() == "auto" or len(refs) != 1:
+        raise FastMTPError(
+            f"{VOCAB_ENV}={spec!r}: vLLM can draft over one global table, not per-request tables "
+            "(its compute_logits sees no request); give exactly one table, or `full`")
+    from fastmtp_sglang.vocab import load_table, resolve_table_ref
+
+    base = Path(draft_path) if draft_path and Path(draft_path).is_dir() else None
+    table = load_table(resolve_table_ref(refs[0], base_dir=base))
+    ids = torch.as_tensor(table.ids, dtype=torch.long)
+    if ids.numel() == 0 or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+        raise FastMTPError(f"{VOCAB_ENV}: table {refs[0]} has ids outside [0, {vocab_size})")
+    logger.info("fastmtp: drafting over the global vocab table %s (%d of %d ids)",
+                refs[0], ids.numel(), vocab_size)
+    return ids
