@@ -11,9 +11,11 @@ reference server batches whole requests (a batch runs until its longest row ends
 - a row that finishes frees its slot at once; the next waiting request is prefilled into it
   (alone, batch 1; consecutive requests with the same prompt, the n samples of one prompt, share
   one prefill) and joins the next decode step;
-- each request samples with its own ``torch.Generator`` seeded with its seed, drawing one
-  ``torch.multinomial`` per token from ``logits_to_probs`` exactly as the reference engine does
-  at K=0, so in fp32 the same seed gives the same tokens as ``fastmtp serve --engine reference``.
+- each request samples with its own ``torch.Generator`` seeded with its seed, from exactly the
+  distribution the reference engine samples from (``logits_to_probs``: temperature, top-k,
+  top-p); with a top-k (distill's default, 20) the draw runs over the top-k logits only, which
+  takes one batched ``topk`` instead of a sort of the vocabulary per step. A seed reproduces a
+  request's tokens whatever else is batched with it; greedy output equals the target's own.
 
 The forward reuses the target's own modules (norms, projections, MLP, rotary embedding) and only
 replaces the cache and the attention call, so any Llama / Qwen2-family target that
@@ -34,6 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.sampling import SamplingParams, logits_to_probs, sample
+
+
+TOPK_FAST = 1024  # top-k at most this: sample from the top-k logits only (see SlotGenerator._pick)
 
 
 class PromptTooLong(ValueError):
@@ -230,15 +235,40 @@ class SlotGenerator:
 
     # -- scheduling -------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor, slots: list[_Slot]) -> list[int]:
-        """logits [n, V] of the given live slots -> one token each, greedy or seeded sampling."""
+        """logits [n, V] of the given live slots -> one token each, greedy or seeded sampling.
+
+        Rows with a top-k of at most ``TOPK_FAST`` (distill's default is 20) sample from their
+        top-k logits only: one batched ``topk`` instead of a full-vocabulary sort, and a draw over
+        k entries instead of V. The distribution is exactly ``logits_to_probs``'s (softmax at the
+        temperature, top-k, then top-p over what top-k kept, renormalised); the random stream
+        is the request's own generator, so a seed reproduces its tokens whatever the batch.
+        Other rows go through ``logits_to_probs`` and ``sample`` (the reference engine's path).
+        """
         toks = logits.argmax(-1).tolist()
-        samp = [i for i, s in enumerate(slots) if not s.req.params.is_greedy]
-        if samp:
-            ps = [slots[i].req.params for i in samp]
-            probs = logits_to_probs(logits[samp], torch.tensor([p.temperature for p in ps]),
+        fast = [i for i, s in enumerate(slots)
+                if not s.req.params.is_greedy and 0 < s.req.params.top_k <= TOPK_FAST]
+        slow = [i for i, s in enumerate(slots)
+                if not s.req.params.is_greedy and i not in set(fast)]
+        if fast:
+            ps = [slots[i].req.params for i in fast]
+            kmax = min(max(p.top_k for p in ps), logits.shape[-1])
+            vals, idx = logits[fast].float().topk(kmax, dim=-1)                 # [f, kmax] sorted
+            temp = torch.tensor([p.temperature for p in ps])[:, None]
+            rank = torch.arange(kmax)[None]
+            keep = rank < torch.tensor([p.top_k for p in ps])[:, None]
+            probs = torch.softmax(vals / temp, dim=-1) * keep
+            cum = probs.cumsum(-1)
+            before = cum - probs
+            top_p = torch.tensor([p.top_p for p in ps])[:, None]
+            probs = probs * ((before < top_p * cum[:, -1:]) | (top_p >= 1))
+            for j, i in enumerate(fast):
+                toks[i] = int(idx[j, int(torch.multinomial(probs[j], 1, generator=slots[i].gen))])
+        if slow:
+            ps = [slots[i].req.params for i in slow]
+            probs = logits_to_probs(logits[slow], torch.tensor([p.temperature for p in ps]),
                                     torch.tensor([p.top_p for p in ps]),
                                     torch.tensor([p.top_k for p in ps]))
-            for j, i in enumerate(samp):
+            for j, i in enumerate(slow):
                 toks[i] = int(sample(probs[j:j + 1], slots[i].gen))
         return toks
 

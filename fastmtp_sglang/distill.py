@@ -13,9 +13,9 @@ fastmtp_sglang.bench_data`` the folder holding spec_bench.jsonl and c_eval_zh.js
 
 Two engines, one output format. ``--target`` generates in this process with
 ``fastmtp_sglang.batch_gen`` (a static KV cache of ``--batch-size`` slots, refilled as rows
-finish; each sample seeded as below; in fp32 the same tokens as ``fastmtp serve --engine
-reference`` gives for the same seed). ``--url`` sends ``/generate`` requests to a server
-(``fastmtp serve`` or SGLang).
+finish; each sample seeded as below, sampling from exactly the distribution the server samples
+from; greedy output token-identical to the server's in fp32). ``--url`` sends ``/generate``
+requests to a server (``fastmtp serve`` or SGLang).
 
 The chat template is applied here, with the target's tokenizer (``--tokenizer``, else the
 server's ``tokenizer_path`` when that is a local directory), and the templated prompt is sent as

@@ -442,10 +442,10 @@ def test_config_validation():
 # --------------------------------------------------------------------------------------------
 
 def test_in_process_equals_server(server, target_dir, tmp_path):
-    """fp32, seeded sampling, n=2 (siblings share one prefill), batch 3 with refill: every line
-    equals what the reference server wrote for the same settings, the same filters apply, and
-    the file resumes across engines."""
-    kw = dict(temperature=0.6, n=2, max_repeat_fraction=1.0, concurrency=1)
+    """fp32, greedy, n=2 (siblings share one prefill), batch 3 with refill: every line equals
+    what the reference server wrote for the same settings, the same filters apply, and the file
+    resumes across engines. Sampled runs: reproducible, the same kind of file."""
+    kw = dict(temperature=0.0, n=2, max_repeat_fraction=1.0, concurrency=1)
     via_http = make_cfg(server, target_dir, tmp_path, out="http.jsonl", **kw)
     distill(via_http, log=lambda s: None)
     local = make_cfg(None, target_dir, tmp_path, out="local.jsonl", target=str(target_dir),
@@ -458,6 +458,14 @@ def test_in_process_equals_server(server, target_dir, tmp_path):
     # resume across engines: nothing left to do
     again = distill(make_cfg(server, target_dir, tmp_path, out="local.jsonl", **kw), log=lambda s: None)
     assert again.written == 0 and again.already_done == len(b)  # (the refused prompt is retried)
+    sampled = []
+    for name in ("s1.jsonl", "s2.jsonl"):
+        cfg = make_cfg(None, target_dir, tmp_path, out=name, target=str(target_dir), batch_size=2,
+                       dtype="float32", **{**kw, "temperature": 0.6})
+        distill(cfg, log=lambda s: None)
+        sampled.append(read_lines(Path(cfg.out)))
+    assert sampled[0] == sampled[1] and len(sampled[0]) > len(a)  # greedy n=2 dropped duplicates
+    assert sampled[0][0]["sampling_params"]["temperature"] == 0.6
 
 
 def server_target(url: str) -> str:
