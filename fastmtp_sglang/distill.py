@@ -883,7 +883,8 @@ class _LocalBackend(_Backend):
         # positions per slot: the longest prompt of the run plus the response (a longer prompt
         # than the context is refused per request by the generator)
         max_len = min(max_pos, max(len(j.prompt_ids) for j in jobs) + self.cfg.max_new_tokens + 1)
-        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len)
+        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len,
+                              next(self.t.model.parameters()).element_size())
         avail = _available_memory()
         if avail is not None and need > 0.7 * avail:
             raise FastMTPError(

@@ -1,4 +1,4 @@
-"""Draft directories: the on-disk contract (DESIGN.md section 4).
+"""Draft directories: the on-disk contract (docs/design.md section 4).
 
 A draft directory holds ``config.json`` (the target family's HF config, reduced to one layer,
 plus ``architectures: ["FastMTPForCausalLM"]``, ``num_nextn_predict_layers: 1`` and a ``fastmtp``

@@ -48,7 +48,7 @@ full, or the server is shutting down. 500: the engine failed on this request.
 Isolation: when ``engine.generate`` raises on a batch, the batch is re-run in halves until the
 request that fails alone is found; it gets 500, every other request of the batch is answered as
 if nothing happened. Each request without a ``sampling_seed`` gets a random one, so a re-run
-reproduces the tokens a stream has already sent (in float32; see DESIGN.md section 6 on bf16).
+reproduces the tokens a stream has already sent (in float32; see docs/design.md section 6.3 on bf16).
 
 Concurrency: the HTTP side is FastAPI on uvicorn (SGLang's own HTTP stack): one event loop, so a
 slow or stalled client holds a socket, not a thread. Bodies are parsed and prompts tokenized on
@@ -798,7 +798,7 @@ class ReferenceServer:
             "spec_verify_ct": ct,
             "spec_accept_length": n / ct if ct else 0.0,
             "e2e_latency": time.time() - job.received,
-            # ours: acceptance as DESIGN.md section 2 defines it, and the time split
+            # ours: acceptance as docs/design.md section 2 defines it, and the time split
             "tau": s["tau"],
             "A_k": s["A_k"],
             "a_k": s["a_k"],

