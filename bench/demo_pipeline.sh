@@ -10,10 +10,11 @@
 #
 # Every step resumes or reuses what exists, so the script can be stopped (Ctrl-C) and rerun, on
 # this session or the next: distill resumes from its output file, features from their partial
-# shards, train/curve from their checkpoints. Environment overrides below. Budget on 2 CPU cores:
-# distill ~250 response tokens/s at batch 64 (bench/results/distill_throughput), i.e. about an
-# hour per million tokens; features about 5 min per million tokens; one training epoch over a
-# million tokens about 20-40 min (bench/results/train_throughput).
+# shards, train/curve from their checkpoints. Environment overrides below. Budget on 2 CPU cores,
+# extrapolated from small measured runs: distill 131.6 response tokens/s at batch 64
+# (bench/results/distill_throughput), about 2 h per million tokens; features about 31 s per 15.7K
+# tokens and a cached K=3 epoch about 31 s per 15.7K tokens (bench/results/train_throughput),
+# i.e. roughly half an hour each per million tokens.
 #
 # STAGE=distill stops after the distillation (the long part), STAGE=curve after the curves.
 set -euo pipefail

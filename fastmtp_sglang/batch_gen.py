@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -348,7 +347,6 @@ class GenWorker:
         self.gen = gen
         self.inbox: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        self.t0 = time.perf_counter()
         self.thread = threading.Thread(target=self._run, name="slot-generator", daemon=True)
         self.thread.start()
 

@@ -208,14 +208,15 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
         problems += _block_problems({0: res["overall"][0], **res["ngram"]["overall"]}, cfg,
                                     "prompt lookup")
     spreads = {}
-    arms = list(res["overall"].items()) + [(f"ngram K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()]
-    for k, r in arms:
+    arms = ([(f"K={k}", r) for k, r in res["overall"].items()]
+            + [(f"prompt lookup K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()])
+    for label, r in arms:
         reps = [x for x in r.get("tokens_per_s_repeats", []) if x > 0]
         if len(reps) >= 2:
             spread = (max(reps) - min(reps)) / statistics.median(reps)
-            spreads[k] = spread
+            spreads[label] = spread
             if spread > cfg.max_spread:
-                problems.append(f"K={k}: tokens/s varied by {100 * spread:.0f}% across "
+                problems.append(f"{label}: tokens/s varied by {100 * spread:.0f}% across "
                                 f"{len(reps)} repeats (bound {100 * cfg.max_spread:.0f}%): "
                                 "something else was using the CPU")
     if cfg.repeats < 2:

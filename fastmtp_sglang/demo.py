@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
                              draft_vocab=vocab)
     results = summarize(samples, cfg)
-    meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp demo",
+    meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp " + " ".join(sys.argv[1:]),
             "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
             "prompts": len(prompts), "engine": f"reference engine, {args.dtype}, batch 1",
             "dtype": args.dtype}
