@@ -39,12 +39,13 @@ def run_local(target, ids: list[list[int]], batch: int, max_new: int) -> dict:
     from fastmtp_sglang.sampling import SamplingParams
 
     def go(sub):
-        w = SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).start()
+        w = SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).worker()
         t0 = time.perf_counter()
         futs = [w.submit(GenRequest(x, SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
                                                       max_new_tokens=max_new, seed=i)))
                 for i, x in enumerate(sub)]
         w.close()
+        w.run()  # on this (the main) thread: see GenWorker
         toks = sum(len(f.result().output_ids) for f in futs)
         return toks, time.perf_counter() - t0, w.gen.steps
 

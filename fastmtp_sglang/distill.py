@@ -72,6 +72,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -725,6 +726,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     results: dict[int, tuple[str, Any]] = {}
     listed_refused: set[str] = set()
 
+    fout = frej = None  # the output and rejected files, open while drive() runs
+
     def handle(job: Job, kind: str, payload: Any) -> None:
         nonlocal lines_in_output
         if kind in ("refused", "skipped"):  # skipped: a sibling sample of a refused prompt
@@ -763,55 +766,87 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
 
     backend.prepare(jobs)
     t_gen = time.monotonic()
-    with open(out, "a", encoding="utf-8") as fout, \
-            open(rejected_path(out), "a", encoding="utf-8") as frej, \
-            tqdm(total=len(jobs), desc="distill", unit="sample", disable=not cfg.progress,
-                 file=sys.stderr) as bar:
-        next_submit = next_write = 0
+
+    def drive() -> None:
+        nonlocal fout, frej
+        with open(out, "a", encoding="utf-8") as fout, \
+                open(rejected_path(out), "a", encoding="utf-8") as frej, \
+                tqdm(total=len(jobs), desc="distill", unit="sample", disable=not cfg.progress,
+                     file=sys.stderr) as bar:
+            next_submit = next_write = 0
+            try:
+                while next_write < len(jobs):
+                    while (next_submit < len(jobs) and len(pending) < window
+                           and next_submit < next_write + 4 * window):
+                        job = jobs[next_submit]
+                        if job.prompt.id in refused_prompts:
+                            results[next_submit] = ("skipped", None)
+                        else:
+                            pending[backend.submit(job)] = next_submit
+                            stats.requested += 1
+                        next_submit += 1
+                    if next_write not in results:
+                        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                        for fut in finished:
+                            i = pending.pop(fut)
+                            try:
+                                results[i] = ("ok", fut.result())
+                            except Refused as exc:
+                                results[i] = ("refused", str(exc))
+                                refused_prompts.add(jobs[i].prompt.id)
+                            except client.ServerError as exc:
+                                results[i] = ("failed", str(exc))
+                            except GeneratorStopped:
+                                raise
+                    while next_write in results:
+                        handle(jobs[next_write], *results.pop(next_write))
+                        next_write += 1
+                        bar.update(1)
+                        stats.generate_seconds = time.monotonic() - t_gen
+                    bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
+                                    refused=stats.refused, refresh=False)
+            except Unreachable as exc:
+                stats.aborted = f"{cfg.url} unreachable after {cfg.retries} retries: {exc}"
+            except GeneratorStopped as exc:
+                stats.aborted = str(exc)
+            except KeyboardInterrupt:
+                stats.aborted = "interrupted"
+                backend.shutdown(wait=False)
+                finish()
+                raise
+            finally:
+                # normal end: nothing pending; an abort: drop queued requests, leave in-flight ones
+                # to finish on their own (their results are not written: a rerun requests them again)
+                backend.shutdown(wait=not pending)
+
+    if backend.on_main_thread:
+        # the in-process generator computes on this thread (the fast one on CPU: see
+        # batch_gen.GenWorker); submitting and writing run beside it on a thread of their own
+        failure: list[BaseException] = []
+
+        def driver() -> None:
+            try:
+                drive()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                failure.append(exc)
+                backend.shutdown(wait=False)
+
+        th = threading.Thread(target=driver, name="distill-driver", daemon=True)
+        th.start()
         try:
-            while next_write < len(jobs):
-                while (next_submit < len(jobs) and len(pending) < window
-                       and next_submit < next_write + 4 * window):
-                    job = jobs[next_submit]
-                    if job.prompt.id in refused_prompts:
-                        results[next_submit] = ("skipped", None)
-                    else:
-                        pending[backend.submit(job)] = next_submit
-                        stats.requested += 1
-                    next_submit += 1
-                if next_write not in results:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        i = pending.pop(fut)
-                        try:
-                            results[i] = ("ok", fut.result())
-                        except Refused as exc:
-                            results[i] = ("refused", str(exc))
-                            refused_prompts.add(jobs[i].prompt.id)
-                        except client.ServerError as exc:
-                            results[i] = ("failed", str(exc))
-                        except GeneratorStopped:
-                            raise
-                while next_write in results:
-                    handle(jobs[next_write], *results.pop(next_write))
-                    next_write += 1
-                    bar.update(1)
-                    stats.generate_seconds = time.monotonic() - t_gen
-                bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
-                                refused=stats.refused, refresh=False)
-        except Unreachable as exc:
-            stats.aborted = f"{cfg.url} unreachable after {cfg.retries} retries: {exc}"
-        except GeneratorStopped as exc:
-            stats.aborted = str(exc)
+            backend.run()
         except KeyboardInterrupt:
+            th.join(timeout=60)  # the driver sees its requests fail, stops submitting, closes files
             stats.aborted = "interrupted"
-            backend.shutdown(wait=False)
             finish()
             raise
-        finally:
-            # normal end: nothing pending; an abort: drop queued requests, leave in-flight ones
-            # to finish on their own (their results are not written: a rerun requests them again)
-            backend.shutdown(wait=not pending)
+        except Exception:  # noqa: BLE001 - an engine fault: the driver's requests carry it
+            pass
+        th.join()
+        if failure:
+            raise failure[0]
+    else:
+        drive()
     finish()
     if stats.aborted:
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
@@ -830,6 +865,10 @@ class GeneratorStopped(Exception):
 class _Backend:
     window: int       # requests in flight
     describe: str
+    on_main_thread = False  # run() must be called on the main thread while drive() runs beside
+
+    def run(self) -> None:
+        """Compute until shutdown (only backends with ``on_main_thread``)."""
 
     def prepare(self, jobs: list[Job]) -> None:
         """Called once with every job of the run, before the first submit."""
@@ -873,6 +912,7 @@ class _LocalBackend(_Backend):
         self.window = 2 * cfg.batch_size
         self.describe = f"in-process {cfg.target}, {cfg.dtype}, batch {cfg.batch_size}"
         self.worker = None
+        self.on_main_thread = True
 
     def prepare(self, jobs: list[Job]) -> None:
         from fastmtp_sglang.batch_gen import SlotGenerator, kv_cache_bytes
@@ -894,7 +934,11 @@ class _LocalBackend(_Backend):
         self.gen = SlotGenerator(self.t, self.cfg.batch_size, max_len)
         self.log(f"fastmtp distill: {self.cfg.batch_size} slots x {max_len} positions, KV cache "
                  f"{self.gen.cache_bytes / 2**30:.2f} GiB")
-        self.worker = self.gen.start()
+        self.worker = self.gen.worker()  # run() on the main thread, see distill()
+
+    def run(self) -> None:
+        if self.worker is not None:
+            self.worker.run()
 
     def submit(self, job: Job) -> Future:
         from fastmtp_sglang.batch_gen import GenRequest
@@ -927,8 +971,13 @@ class _LocalBackend(_Backend):
         return outer
 
     def shutdown(self, wait: bool) -> None:
+        """wait: finish the rows in flight; otherwise cancel them (an abort: nothing more is
+        written, a rerun asks again)."""
         if self.worker is not None:
-            self.worker.close(wait=wait)
+            if wait:
+                self.worker.close(wait=False)  # run() returns once the last row is done
+            else:
+                self.worker.cancel()
 
 
 def _available_memory() -> int | None:

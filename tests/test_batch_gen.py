@@ -113,3 +113,30 @@ def test_eos_and_length_limits_and_bad_requests():
     assert c.finish_reason["type"] == "length"  # and the last one, never cached, ends the row
     assert len(c.output_ids) == 20 - len(PROMPTS[5]) + 1
     assert c.output_ids == capped_ref
+
+
+def test_worker_on_calling_thread_fails_every_request_when_the_engine_dies():
+    """run() on the caller's thread (the fast place on CPU, see GenWorker): an engine fault
+    mid-generation fails the rows in flight and the queued requests, then propagates."""
+    t = tiny_target("llama", seed=15)
+    gen = SlotGenerator(t, slots=2, max_len=64)
+    w = gen.worker()
+    futs = [w.submit(GenRequest(p, SamplingParams(max_new_tokens=8))) for p in PROMPTS[:5]]
+    w.close()
+    calls = {"n": 0}
+    real = gen.decode
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated engine fault")
+        return real(*a, **k)
+
+    gen.decode = flaky
+    with pytest.raises(RuntimeError, match="simulated"):
+        w.run()
+    for f in futs:
+        with pytest.raises(RuntimeError, match="simulated"):
+            f.result(timeout=1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        w.submit(GenRequest(PROMPTS[0], SamplingParams(max_new_tokens=2)))

@@ -486,3 +486,41 @@ def test_url_or_target_not_both(target_dir, tmp_path):
         make_cfg("http://127.0.0.1:9", target_dir, tmp_path, target=str(target_dir))
     with pytest.raises(FastMTPError, match="either --url"):
         make_cfg(None, target_dir, tmp_path)
+
+
+def test_in_process_interrupt_leaves_a_resumable_file(target_dir, tmp_path):
+    """Ctrl-C reaches the main thread, where the in-process generator computes: the run stops
+    with KeyboardInterrupt, every line written is whole, the stats say "interrupted", and the
+    same command then completes to exactly what an uninterrupted run writes."""
+    import os
+    import signal
+
+    from fastmtp_sglang import batch_gen
+
+    kw = dict(target=str(target_dir), batch_size=2, dtype="float32", temperature=0.0, n=2,
+              max_repeat_fraction=1.0)
+    whole = make_cfg(None, target_dir, tmp_path, out="whole.jsonl", **kw)
+    distill(whole, log=lambda s: None)
+    cfg = make_cfg(None, target_dir, tmp_path, out="cut.jsonl", **kw)
+    real = batch_gen.SlotGenerator.decode
+    calls = {"n": 0}
+
+    def decode(self, *a, **k):  # a real Ctrl-C, sent once a few steps have run
+        calls["n"] += 1
+        if calls["n"] == 12:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *a, **k)
+
+    batch_gen.SlotGenerator.decode = decode
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill(cfg, log=lambda s: None)
+    finally:
+        batch_gen.SlotGenerator.decode = real
+    part = read_lines(Path(cfg.out))  # every line parses
+    stats = json.loads(Path(cfg.out + ".stats.json").read_text())
+    assert stats["aborted"] == "interrupted"
+    assert len(part) < len(read_lines(Path(whole.out)))
+    distill(cfg, log=lambda s: None)
+    assert sorted(read_lines(Path(cfg.out)), key=lambda r: r["id"]) == \
+        sorted(read_lines(Path(whole.out)), key=lambda r: r["id"])
