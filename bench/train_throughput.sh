@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Seconds per training epoch with and without the target-feature cache, same data and settings,
-# on the demo target (CPU). Writes bench/results/train_throughput/results.{json,md}.
+# Seconds per training epoch with and without the target-feature cache, and with the head's
+# forward/backward in fp32 or under bf16 autocast (--compute-dtype), same data and settings, on the
+# demo target (CPU). Writes bench/results/train_throughput/results.{json,md}.
 #
 #   bash bench/train_throughput.sh [WORKDIR] [N_PROMPTS]
 #
 # A small self-distilled set (N_PROMPTS training prompts, one sample each, in-process), then
-# `fastmtp train` twice for 2 epochs: recomputing the target every epoch (--cache-hidden-gb 0) and
-# with --features (the cache is built inside epoch 1). Epoch times come from train_log.jsonl.
+# `fastmtp train` for 2 epochs four ways: recomputing the target every epoch (--cache-hidden-gb 0)
+# or with --features (the cache is built before epoch 1, counted in it), each with the head in
+# fp32 and in bf16 autocast. Epoch times come from train_log.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${1:-runs/train-throughput}
@@ -21,9 +23,14 @@ T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2
 common=(--target "$T" --init "$W/init" --data "$W/data.jsonl" --epochs 2 --steps 3 --batch-size 8
         --max-len 512 --lr 1e-3 --vocab vocab_tables/smollm2/en-16384.pt --heldout-fraction 0
         --overwrite --no-progress)
-/usr/bin/time -v "$BIN/fastmtp" train "${common[@]}" --cache-hidden-gb 0 --out "$W/no-cache" 2> "$W/no-cache.time"
-rm -rf "$W/features"
-/usr/bin/time -v "$BIN/fastmtp" train "${common[@]}" --features "$W/features" --out "$W/cached" 2> "$W/cached.time"
+for cd in float32 bfloat16; do
+    /usr/bin/time -v "$BIN/fastmtp" train "${common[@]}" --compute-dtype $cd --cache-hidden-gb 0 \
+        --out "$W/no-cache-$cd" 2> "$W/no-cache-$cd.time"
+    rm -rf "$W/features"   # each cached run builds its cache inside its first epoch
+    /usr/bin/time -v "$BIN/fastmtp" train "${common[@]}" --compute-dtype $cd --features "$W/features" \
+        --out "$W/cached-$cd" 2> "$W/cached-$cd.time"
+    cp "$W/features/index.json" "$W/cached-$cd.features.json"
+done
 "$BIN/python" - "$W" <<'PY'
 import json, re, sys
 from pathlib import Path
@@ -40,27 +47,34 @@ def peak(d):
 data = [json.loads(l) for l in (w / "data.jsonl").read_text().splitlines()]
 toks = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in data)
 rows = {}
-build = json.loads((w / "features" / "index.json").read_text())["build_seconds"]
-for d in ("no-cache", "cached"):
+builds = []
+for d in ("no-cache-float32", "cached-float32", "no-cache-bfloat16", "cached-bfloat16"):
     e1, e2 = epochs(d)
-    if d == "cached":
+    if d.startswith("cached"):
+        build = json.loads((w / f"{d}.features.json").read_text())["build_seconds"]
         e1 += build  # the cache is built before the first step
+        builds.append(build)
     rows[d] = {"epoch1_s": round(e1, 1), "epoch2_s": round(e2, 1), "tokens_per_s_epoch2": round(toks / e2, 1),
                "peak_rss_gib": round(peak(d), 2)}
 out = Path("bench/results/train_throughput"); out.mkdir(parents=True, exist_ok=True)
 meta = {"command": f"bash bench/train_throughput.sh {sys.argv[1]}", "sequences": len(data), "tokens": toks,
-        "settings": "K=3, batch 8, max-len 512, en-16384 loss table, 2 epochs, fp32 target"}
+        "settings": "K=3, batch 8, max-len 512, en-16384 loss table, 2 epochs, fp32 target; "
+                    "run names end in the head's --compute-dtype"}
 (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 lines = ["# Training throughput: with and without the target-feature cache", "",
          f"Command: `{meta['command']}`; {len(data)} sequences, {toks} tokens (prompt + response); "
-         f"{meta['settings']}. Epoch times from train_log.jsonl (optimizer steps only; the cached run's "
-         f"epoch 1 includes building the cache: {build} s).", "",
+         f"{meta['settings']}. Epoch times from train_log.jsonl (optimizer steps only; a cached run's "
+         f"epoch 1 includes building its cache, {builds} s).", "",
          "| run | epoch 1 s | epoch 2 s | epoch 2 tokens/s | epoch 1 / epoch 2 | peak RSS GiB |", "|---|---|---|---|---|---|"]
 for d, r in rows.items():
     lines.append(f"| {d} | {r['epoch1_s']} | {r['epoch2_s']} | {r['tokens_per_s_epoch2']} | "
                  f"{r['epoch1_s'] / r['epoch2_s']:.2f}x | {r['peak_rss_gib']} |")
 lines.append("")
-lines.append(f"Epoch 2 without the cache / with it: {rows['no-cache']['epoch2_s'] / rows['cached']['epoch2_s']:.2f}x.")
+for cd in ("float32", "bfloat16"):
+    lines.append(f"- {cd} head: epoch 2 without the cache / with it: "
+                 f"{rows['no-cache-' + cd]['epoch2_s'] / rows['cached-' + cd]['epoch2_s']:.2f}x.")
+lines.append(f"- no cache, fp32 head (what training did before the cache) / cached bf16 head, epoch 2: "
+             f"{rows['no-cache-float32']['epoch2_s'] / rows['cached-bfloat16']['epoch2_s']:.2f}x.")
 (out / "results.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

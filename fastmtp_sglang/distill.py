@@ -995,6 +995,19 @@ def _available_memory() -> int | None:
 # CLI
 # ----------------------------------------------------------------------------------------------
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a batch scheduler, a background job whose SIGINT the shell ignores)
+    stops a run the way Ctrl-C does: requests in flight are dropped, the files stay whole and a
+    rerun resumes."""
+    import signal
+
+    def stop(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = DistillConfig(
         url=args.url, prompts=args.prompts, out=args.out, tokenizer=args.tokenizer,
@@ -1005,8 +1018,13 @@ def run(args: argparse.Namespace) -> int:
         exclude=args.exclude or [], drop_truncated=args.drop_truncated, limit=args.limit,
         system=args.system, seed=args.seed, max_repeat_fraction=args.max_repeat_fraction,
         progress=not args.no_progress)
+    _stop_on_sigterm()
     try:
         stats = distill(cfg)
+    except KeyboardInterrupt:
+        print(f"fastmtp distill: stopped; rerun the same command to resume ({cfg.out} holds only "
+              "whole lines)", file=sys.stderr)
+        raise
     except FastMTPError:
         if stats_path(Path(cfg.out)).exists():
             print(f"fastmtp distill: statistics so far in {stats_path(Path(cfg.out))}", file=sys.stderr)

@@ -75,6 +75,18 @@ STATE_FORMAT = 1
 # configuration
 # ------------------------------------------------------------------------------------------------
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def autocast(device: torch.device | str, compute_dtype: str):
+    """The context the head's training forward and backward run in: torch.autocast to bf16, or
+    nothing for fp32. bf16 matmuls use AMX / AVX512-BF16 where the CPU has them (this machine: a
+    [4096, 576] x [576, 16384] product 84 ms in bf16 vs 316 ms in fp32); the fp32 master weights,
+    the optimizer and the held-out evaluation are unchanged."""
+    dev = torch.device(device).type
+    return torch.autocast(dev, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
+
+
 @dataclass
 class TrainConfig:
     """Everything that decides a training run (CLI flags map 1:1, kebab-case).
@@ -105,6 +117,8 @@ class TrainConfig:
     halt_after_steps: int | None = None  # stop (and checkpoint) after this many optimizer steps
     cache_hidden_gb: float = 2.0      # memory for caching the target's hidden states; 0 = off
     kl_topk: int = 0                  # KL to the target's top-k from the feature cache; 0 = exact
+    compute_dtype: str = "float32"    # head fwd/bwd under autocast in this dtype; weights, optimizer
+                                      # state and evaluation stay fp32
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
@@ -133,6 +147,8 @@ class TrainConfig:
             bad.append(f"batch_size and grad_accum must be >= 1, got {self.batch_size}, {self.grad_accum}")
         if self.ce_chunk < 0:
             bad.append(f"ce_chunk must be >= 0 (0 = unchunked), got {self.ce_chunk}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            bad.append(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if not 0 <= self.heldout_fraction < 1:
             bad.append(f"heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
         if self.max_sequences is not None and self.max_sequences < 1:
@@ -927,8 +943,9 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
                     batch = collate([examples[i] for i in idxs],
                                     [hidden_fn(i, examples[i].ids) for i in idxs], device,
                                     topks_of(idxs))
-                    loss, st = batch_loss(head, batch, proj, cfg.train_steps, cfg.weights, cfg.loss,
-                                          cfg.attention, cfg.ce_chunk)
+                    with autocast(device, cfg.compute_dtype):
+                        loss, st = batch_loss(head, batch, proj, cfg.train_steps, cfg.weights,
+                                              cfg.loss, cfg.attention, cfg.ce_chunk)
                     (loss / len(group)).backward()
                     loss_sum += float(loss.detach()) / len(group)
                     for key, vals in st.items():
@@ -1099,6 +1116,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kl-topk", type=int, help="with --loss kl/ce+kl and --features: KL to the "
                    "target's cached top-k distribution instead of recomputing its full logits "
                    f"(default {d.kl_topk} = exact)")
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
+                   help="the head's forward/backward under autocast: bfloat16 is ~2-4x faster on "
+                        "CPUs with AMX or AVX512-BF16 and on GPUs; weights, optimizer and evaluation "
+                        f"stay fp32 (default {d.compute_dtype})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the target's dtype; the head always trains in fp32 (default float32)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")

@@ -499,3 +499,25 @@ def test_text_rows_use_the_chat_template(tiny_tokenizer, tmp_path):
     assert exs[0].ids.tolist() == want_prompt + tok("A sequence of items.", add_special_tokens=False).input_ids
     with pytest.raises(FastMTPError, match="chat template"):
         load_examples(data, tiny_tokenizer, 320, max_len=128)
+
+
+def test_bf16_compute_trains_like_fp32(toy):
+    """--compute-dtype bfloat16: the head's fwd/bwd under autocast (fp32 master weights, fp32
+    optimizer, fp32 evaluation). Same schedule as fp32: the losses track fp32's (bf16 rounding,
+    not another optimisation), training still lowers the loss and raises tau, and the weights
+    it writes are fp32."""
+    target, data, init, root, _ = toy
+    f32 = train(small_cfg(epochs=3), target, data, root / "f32", init=init, progress=False)
+    b16 = train(small_cfg(epochs=3, compute_dtype="bfloat16"), target, data, root / "b16", init=init,
+                progress=False)
+    la = [r["loss"] for r in f32.log if r["event"] == "step"]
+    lb = [r["loss"] for r in b16.log if r["event"] == "step"]
+    assert len(la) == len(lb) == 12
+    assert la[0] == pytest.approx(lb[0], rel=0.05)     # same start, bf16 rounding only
+    assert la[0] != lb[0]                               # ... and autocast was really on
+    assert lb[-1] < 0.5 * lb[0]
+    assert b16.last_eval["tau_train"] > f32.last_eval["tau_train"] - 0.3
+    assert all(v.dtype == torch.float32 for v in load_head(root / "b16").state_dict().values())
+    assert load_draft_dir(root / "b16").meta["training"]["config"]["compute_dtype"] == "bfloat16"
+    with pytest.raises(FastMTPError, match="compute_dtype"):
+        small_cfg(compute_dtype="float16")

@@ -1,0 +1,116 @@
+"""Where a draft step's time goes at batch 1 on CPU: the head's block, the projection over the
+compressed table, the argmax, and the draft extend, timed separately (medians over many calls,
+after warm-up), plus a torch.profiler table of one step. Nothing else should run meanwhile.
+
+    python bench/draft_step_profile.py [--head DIR] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def med_ms(fn, n: int = 200, warm: int = 20) -> float:
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", default=str(REPO / "fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3"))
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ctx", type=int, default=200, help="positions already in the head's cache")
+    ap.add_argument("--steps", type=int, default=3, help="K: the draft extend covers K+1 positions")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    from fastmtp_sglang.draft_dir import load_head
+    from fastmtp_sglang.draft_vocab import resolve_vocab
+    from fastmtp_sglang.target import load_target
+
+    if args.target is None:
+        from fastmtp_sglang.demo_target import materialize_smollm2
+        args.target = str(materialize_smollm2())
+    t = load_target(args.target, dtype=args.dtype)
+    dt = getattr(torch, args.dtype)
+    head = load_head(args.head, t.embed, t.lm_head, dtype=dt)
+    vocab = resolve_vocab(None, t.tokenizer, t.lm_head, draft_dir=args.head)
+    H = head.cfg.hidden_size
+    g0 = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (1, args.ctx + 16), generator=g0)
+    hid = torch.randn(1, args.ctx, H, generator=g0).to(dt)
+    res: dict = {"dtype": args.dtype, "ctx": args.ctx, "threads": torch.get_num_threads(),
+                 "table": None if vocab is None else int(vocab.tables.lens.max())}
+    with torch.inference_mode():
+        cache = head.new_cache(1, args.ctx + 64)
+        pos = torch.arange(args.ctx)[None]
+        head(hid, ids[:, 1:args.ctx + 1], pos, cache, return_logits=False)
+        g = hid[:, -1]
+        tok = ids[:, args.ctx:args.ctx + 1]
+        p1 = torch.tensor([[args.ctx]])
+        tidx = extra = None
+        if vocab is not None:
+            tidx, extra = vocab.choose(ids[:, :args.ctx], torch.ones(1, args.ctx, dtype=torch.bool))
+
+        def block():
+            return head(g[:, None], tok, p1, cache, return_logits=False)
+
+        def proj():
+            if vocab is None:
+                return head.project(g).argmax(-1)
+            return vocab.greedy(g, tidx, extra)
+
+        full_w = t.lm_head.weight
+
+        def proj_full():
+            return torch.nn.functional.linear(g.to(full_w.dtype), full_w).argmax(-1)
+
+        kp = args.steps + 1
+        vh = torch.randn(1, kp, H, generator=g0).to(dt)
+        vpos = torch.arange(args.ctx, args.ctx + kp)[None]
+
+        def extend():
+            return head(vh, ids[:, 1:kp + 1], vpos, cache, return_logits=False)
+
+        def step():
+            out, _ = block()
+            return proj()
+
+        tv = ids[:, :kp]
+        res["block_ms"] = med_ms(block)
+        res["projection_argmax_ms"] = med_ms(proj)
+        res["projection_full_vocab_ms"] = med_ms(proj_full)
+        res["draft_step_ms"] = med_ms(step)
+        res["draft_extend_ms"] = med_ms(extend)
+        res["cycle_draft_ms_K"] = res["projection_argmax_ms"] + (args.steps - 1) * res["draft_step_ms"] \
+            + res["draft_extend_ms"]
+        print(json.dumps(res, indent=1))
+        if args.profile:
+            from torch.profiler import profile
+            with profile() as prof:
+                for _ in range(20):
+                    step()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
