@@ -54,6 +54,14 @@ class DraftVocab:
 
     def greedy(self, hidden: torch.Tensor, idx: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """hidden [N, H] -> the argmax over each row's table, as full-vocabulary ids [N]."""
+        if hidden.device.type == "cpu" and hidden.shape[0] == 1 and extra is None:
+            # one row on CPU (a draft step at batch 1): one product with the table's gathered
+            # rows and an argmax; the kernel's log-probability and masking are not needed
+            # (the first maximum, as compressed_head returns; tested equal)
+            t = int(idx[0])
+            w = self.table_weight[t, : int(self.tables.lens[t])]
+            slot = (hidden.to(w.dtype) @ w.T).argmax(-1)
+            return self.tables.tables[t].index_select(0, slot)
         top, _, _ = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
                                     self.tables.tables, self.tables.lens, idx, extra,
                                     table_weight=self.table_weight)

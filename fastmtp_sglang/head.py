@@ -161,6 +161,14 @@ class HeadKVCache:
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """positions [B, S]; k, v [B, n_kv, S, D]."""
+        if self.k.device.type == "cpu" and positions.shape[0] == 1:
+            # one row at consecutive positions (every draft step and extend the engine runs):
+            # a slice copy instead of a scatter (host reads are free on CPU)
+            p0, s = int(positions[0, 0]), positions.shape[1]
+            if s == 1 or torch.equal(positions[0], torch.arange(p0, p0 + s)):
+                self.k[:, :, p0:p0 + s] = k
+                self.v[:, :, p0:p0 + s] = v
+                return
         idx = positions[:, None, :, None].expand_as(k)
         self.k.scatter_(2, idx, k.to(self.k.dtype))
         self.v.scatter_(2, idx, v.to(self.v.dtype))
@@ -195,18 +203,25 @@ class Attention(nn.Module):
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
+        rep = self.n_heads // self.n_kv
         if cache is not None:
             cache.write(positions, k, v)
             # keys [0, n): the furthest query position bounds what any row can see
             n = int(positions.max()) + 1
             k, v = cache.k[:, :, :n], cache.v[:, :, :n]
+            if attn_mask is None and b == 1 and s == 1:
+                # a draft step: one query at the last key sees every key. No mask, and the
+                # query heads sharing a key/value head become that head's query rows (no copy
+                # of the cache per query head): same maths, less work at batch 1
+                qg = q.reshape(1, self.n_kv, rep, self.head_dim)
+                out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype))
+                return self.o_proj(out.reshape(1, 1, -1))
             key_pos = torch.arange(n, device=x.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, n]
         else:
             mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, S]
         if attn_mask is not None:
             mask = attn_mask if attn_mask.dim() == 4 else attn_mask[:, None]
-        rep = self.n_heads // self.n_kv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -305,6 +320,7 @@ class FastMTPHead(nn.Module):
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
         # kept outside the module tree so .to(bf16) leaves inv_freq in fp32, as the target has it
         self._rotary = [_rotary(cfg)]
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # serving on CPU
         self._shared = _Shared(embed, lm_head)
         self.projection: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -343,6 +359,25 @@ class FastMTPHead(nn.Module):
             return self.eh_proj(torch.cat([e, h], dim=-1))
         return self.e_proj(e) + self.h_proj(h)
 
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos/sin at ``positions`` ([B, S, D] each, x's dtype). Serving on CPU reads
+        them from a table the rotary module filled once (the same values: each entry is one
+        product and one cos/sin, whatever else is computed beside it); training, GPUs (CUDA
+        graphs want no host reads) and rope types that depend on the sequence length call the
+        module every step."""
+        rot = self.rotary
+        rope = str(getattr(rot, "rope_type", "default"))
+        if (x.device.type != "cpu" or torch.is_grad_enabled() or "dynamic" in rope
+                or "longrope" in rope):
+            return rot(x, positions)
+        need = int(positions.max()) + 1
+        tab = self._rope_table
+        if tab is None or tab[0].shape[0] < need or tab[0].dtype != x.dtype:
+            n = max(need, 2 * tab[0].shape[0] if tab is not None else 512)
+            cos, sin = rot(x[:1, :1], torch.arange(n, device=x.device)[None])
+            tab = self._rope_table = (cos[0], sin[0])
+        return tab[0][positions], tab[1][positions]
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from output hidden states; the compressed-vocabulary seam."""
         if self.projection is not None:
@@ -380,7 +415,7 @@ class FastMTPHead(nn.Module):
         dtype = self.enorm.weight.dtype
         embeds = self.embed_tokens(input_ids).to(dtype)
         x = self.fuse(hidden.to(dtype), embeds)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = self._cos_sin(x, positions)
         x = self.layer(x, cos, sin, positions, cache, attn_mask)
         out = self.final_norm(x)
         return out, (self.project(out) if return_logits else None)

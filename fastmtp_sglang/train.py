@@ -76,6 +76,25 @@ STATE_FORMAT = 1
 # ------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+LENGTH_SPAN = 50  # group_by_length sorts spans of this many batches
+
+
+def epoch_batches(train_idx: list[int], lengths: list[int], batch_size: int, seed: int, epoch: int,
+                  group_by_length: bool = False) -> list[list[int]]:
+    """The micro-batches of one epoch: a seeded shuffle cut into batches, a function of (seed,
+    epoch) only, so a resumed run replays the same order. ``group_by_length`` sorts each span of
+    LENGTH_SPAN batches of the shuffle by length before cutting it (padding to the longest row of
+    a batch then wastes little), and shuffles the batches; the number of batches is unchanged."""
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
+    if not group_by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    span = LENGTH_SPAN * batch_size
+    batches = []
+    for s in range(0, len(order), span):
+        part = sorted(order[s:s + span], key=lambda i: -lengths[i])
+        batches += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def autocast(device: torch.device | str, compute_dtype: str):
@@ -119,6 +138,7 @@ class TrainConfig:
     kl_topk: int = 0                  # KL to the target's top-k from the feature cache; 0 = exact
     compute_dtype: str = "float32"    # head fwd/bwd under autocast in this dtype; weights, optimizer
                                       # state and evaluation stay fp32
+    group_by_length: bool = False     # batches of similar lengths (less padding), order still random
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
@@ -177,7 +197,7 @@ class TrainConfig:
 # fields that must not change when a run resumes (they decide data order, schedule and maths)
 RESUME_FIXED = ("steps", "beta", "vanilla", "attention", "loss", "lr", "warmup", "adam_betas",
                 "weight_decay", "grad_clip", "epochs", "max_len", "batch_size", "grad_accum",
-                "heldout_fraction", "max_sequences", "seed", "kl_topk")
+                "heldout_fraction", "max_sequences", "seed", "kl_topk", "group_by_length")
 
 
 def step_weights(steps: int, beta: float) -> list[float]:
@@ -931,9 +951,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     t0 = time.perf_counter()
     try:
         while epoch < cfg.epochs and not halted:
-            g = torch.Generator().manual_seed(cfg.seed * 1000003 + epoch)
-            order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
-            batches = [order[i:i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+            batches = epoch_batches(train_idx, [len(e.ids) for e in examples], cfg.batch_size,
+                                    cfg.seed, epoch, cfg.group_by_length)
             while batch_pos < len(batches):
                 group = batches[batch_pos: batch_pos + cfg.grad_accum]
                 opt.zero_grad(set_to_none=True)
@@ -1116,6 +1135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kl-topk", type=int, help="with --loss kl/ce+kl and --features: KL to the "
                    "target's cached top-k distribution instead of recomputing its full logits "
                    f"(default {d.kl_topk} = exact)")
+    p.add_argument("--group-by-length", action="store_true", default=None,
+                   help="batch sequences of similar length together (less padding, same number of "
+                        "batches, batch order still shuffled; default off)")
     p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
                    help="the head's forward/backward under autocast: bfloat16 is ~2-4x faster on "
                         "CPUs with AMX or AVX512-BF16 and on GPUs; weights, optimizer and evaluation "
