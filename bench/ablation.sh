@@ -23,12 +23,12 @@ BIN=${BIN:-.venv/bin}
 T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2; print(materialize_smollm2())")
 [[ -f $W/distill.jsonl && -f $W/init/config.json ]] || {
     echo "run STAGE=distill bash bench/demo_pipeline.sh $W first" >&2; exit 1; }
-common=(--steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --compute-dtype bfloat16
+common=(--steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16 --compute-dtype bfloat16
         --group-by-length)
 dev=(--serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1
      --heldout-rows 200)
 
-"$BIN/fastmtp" features --target "$T" --data "$W/distill.jsonl" --out "$W/features" --max-len 512 --topk 32
+"$BIN/fastmtp" features --target "$T" --data "$W/distill.jsonl" --out "$W/features" --max-len 512 --topk 32 --dtype bfloat16
 
 # 1. the loss: CE on the sampled labels vs KL to the target's top-32 vs both
 "$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$W/distill.jsonl" --out "$W/ablation-loss" \
@@ -65,7 +65,7 @@ b = open(f"{w}/greedy.jsonl", encoding="utf-8").readlines()
 out = [x for pair in itertools.zip_longest(a, b) for x in pair if x is not None]
 open(f"{w}/mixed.jsonl", "w", encoding="utf-8").writelines(out)
 EOF
-"$BIN/fastmtp" features --target "$T" --data "$W/mixed.jsonl" --out "$W/features-mixed" --max-len 512 --topk 32
+"$BIN/fastmtp" features --target "$T" --data "$W/mixed.jsonl" --out "$W/features-mixed" --max-len 512 --topk 32 --dtype bfloat16
 "$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$W/mixed.jsonl" --out "$W/ablation-data" \
     --features "$W/features-mixed" --tokens "$TOK" "${dev[@]}" \
     --arm sampled+greedy-ce="--loss ce" --arm sampled+greedy-kl="--loss kl --kl-topk 32" \

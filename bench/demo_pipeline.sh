@@ -9,12 +9,13 @@
 #   bash bench/demo_pipeline.sh [WORKDIR]        (default runs/demo-pipeline-v2)
 #
 # Every step resumes or reuses what exists, so the script can be stopped (Ctrl-C) and rerun, on
-# this session or the next: distill resumes from its output file, features from their partial
-# shards, train/curve from their checkpoints. Environment overrides below. Budget on 2 CPU cores,
-# extrapolated from small measured runs: distill 131.6 response tokens/s at batch 64
-# (bench/results/distill_throughput), about 2 h per million tokens; features about 31 s per 15.7K
-# tokens and a cached K=3 epoch about 31 s per 15.7K tokens (bench/results/train_throughput),
-# i.e. roughly half an hour each per million tokens.
+# this session or the next: distill resumes from its output file (Ctrl-C or `kill` stop it
+# cleanly), features from their partial shards, train/curve from their checkpoints. Environment
+# overrides below. Measured on 2 CPU cores: distill 224 response tokens/s at batch 64
+# (bench/results/distill_throughput); the real run of this script kept 884,603 response tokens in
+# its first 60 minutes. Features with the bf16 target run at ~2,700 tokens/s (prompt + response);
+# a cached K=3 epoch with the head in bf16 takes ~20 s per 15.7K tokens
+# (bench/results/train_throughput).
 #
 # STAGE=distill stops after the distillation (the long part), STAGE=curve after the curves.
 set -euo pipefail
@@ -53,16 +54,9 @@ EOF
 sha256sum "$W/distill.jsonl" | tee "$W/distill.sha256"
 [[ $STAGE == distill ]] && exit 0
 
-# the target's hidden states and top-32 log-probabilities, once
-"$BIN/fastmtp" features --target "$T" --data "$W/distill.jsonl" --out "$W/features" \
-    --max-len 512 --topk 32
-
-# learning curves: does more data move tau? (held-out rows and dev prompts fixed across points)
-"$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$W/distill.jsonl" --out "$W/curve" \
-    --features "$W/features" --tokens 84000,250000,500000,1000000 \
-    --arm fastmtp= --arm vanilla=--vanilla --heldout-rows 200 --serve-steps 1,3 \
-    --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
-    -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR"
+# learning curves: does more data move tau? (held-out rows and dev prompts fixed across points;
+# builds its own feature cache over the rows it uses)
+POINTS=${POINTS:-84000,250000,500000} bash bench/curve_demo.sh "$W"
 [[ $STAGE == curve ]] && exit 0
 
 # a compressed table from the target's own answers (what the head must predict)
@@ -74,8 +68,12 @@ with open('$W/responses.txt', 'w', encoding='utf-8') as f:
 "$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size 16384 --corpus "$W/responses.txt" \
     --out "$W/vocab"
 
+# the target's hidden states and top-32 log-probabilities over all the data, once
+"$BIN/fastmtp" features --target "$T" --data "$W/distill.jsonl" --out "$W/features" \
+    --max-len 512 --topk 32 --dtype bfloat16
 common=(--target "$T" --init "$W/init" --data "$W/distill.jsonl" --features "$W/features"
-        --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --save-every 200)
+        --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --save-every 200
+        --dtype bfloat16 --compute-dtype bfloat16 --group-by-length)
 [[ -f $W/fastmtp-k3/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --out "$W/fastmtp-k3"
 [[ -f $W/vanilla/config.json ]] || "$BIN/fastmtp" train "${common[@]}" --steps 3 --vanilla --out "$W/vanilla"
 
