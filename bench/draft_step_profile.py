@@ -92,7 +92,6 @@ def main() -> int:
             out, _ = block()
             return proj()
 
-        tv = ids[:, :kp]
         res["block_ms"] = med_ms(block)
         res["projection_argmax_ms"] = med_ms(proj)
         res["projection_full_vocab_ms"] = med_ms(proj_full)
