@@ -65,15 +65,16 @@ def prefix_rows(examples, heldout_rows: int, tokens: list[int]) -> tuple[dict[in
 
 
 def served_tau(target, head, prompts: list[list[int]], steps: list[int], max_new_tokens: int,
-               vocab_ids=None) -> dict[int, float]:
-    """Greedy tau of the reference engine at each K, pooled over the prompts."""
+               draft_vocab=None) -> dict[int, float]:
+    """Greedy tau of the reference engine at each K, pooled over the prompts (``draft_vocab``: a
+    :class:`~fastmtp_sglang.draft_vocab.DraftVocab` to draft over, None = full vocabulary)."""
     from fastmtp_sglang.engine import ReferenceEngine, Request
     from fastmtp_sglang.metrics import aggregate
     from fastmtp_sglang.sampling import SamplingParams
 
     out = {}
     for k in steps:
-        eng = ReferenceEngine(target, head, k)
+        eng = ReferenceEngine(target, head, k, draft_vocab=draft_vocab)
         res = [eng.generate([Request(p, SamplingParams(max_new_tokens=max_new_tokens))])[0]
                for p in prompts]
         out[k] = aggregate([r.metrics for r in res])["tau"]
@@ -126,6 +127,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"curve: {n} response tokens requested, the data has {available} before the "
                   "held-out rows: point skipped", file=sys.stderr)
     held = [(i, examples[i]) for i in range(len(examples) - args.heldout_rows, len(examples))]
+    vocab_ids = vocab_name = draft_vocab = None
+    if ns0.vocab:  # train, score and serve with the compressed head that will serve
+        from fastmtp_sglang.draft_vocab import resolve_vocab
+        from fastmtp_sglang.vocab import load_table
+
+        table = load_table(ns0.vocab, target.tokenizer)
+        vocab_ids, vocab_name = table.ids, table.name
+        draft_vocab = resolve_vocab(ns0.vocab, target.tokenizer, target.lm_head)
     feats = Path(args.features) if args.features else out / "features"
     need_topk = max((config_for(a)[1].kl_topk for a in arms), default=0)
     store = open_or_build(target, args.target, args.data, examples, feats, cfg0.max_len, None,
@@ -142,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     done = {(p["arm"], p["tokens"]) for p in points}
     for arm in arms:
         ns, cfg = config_for(arm)
+        if ns.vocab != ns0.vocab:
+            raise FastMTPError("every arm of one curve uses the same --vocab (pass it after --)")
         cfg.heldout_fraction = 0.0  # the curve's own held-out rows are scored instead
         for n in sorted(rows):
             if (arm.name, n) in done:
@@ -154,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"curve: arm {arm.name}, {n} tokens ({rows[n]} rows)", file=sys.stderr)
             t0 = time.perf_counter()
             res = train(cfg, target, args.data, pdir, init=args.init, resume=resume,
+                        vocab_ids=vocab_ids, vocab_name=vocab_name,
                         overwrite=resume is None and pdir.exists(), progress=not args.no_progress,
                         features=feats, target_dir=args.target, feature_dtype=args.feature_dtype,
                         allow_base_mismatch=getattr(ns, "allow_base_mismatch", False))
             seconds = time.perf_counter() - t0
             head = load_head(pdir, target.embed, target.lm_head, dtype=torch.float32)
-            proj = Projection(target.lm_head)
+            proj = Projection(target.lm_head, vocab_ids)
             ev = evaluate(head, store, held, proj, max(serve_steps), cfg.batch_size, cfg.ce_chunk)
             point = {"arm": arm.name, "flags": arm.flags, "tokens": n, "rows": rows[n],
                      "optimizer_steps": res.global_step, "train_seconds": round(seconds, 1),
@@ -168,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 mdt = next(target.model.parameters()).dtype
                 h = load_head(pdir, target.embed, target.lm_head, dtype=mdt)
                 point["served_tau"] = {str(k): v for k, v in served_tau(
-                    target, h, dev, serve_steps, args.dev_max_new_tokens).items()}
+                    target, h, dev, serve_steps, args.dev_max_new_tokens, draft_vocab).items()}
             points.append(point)
             _write(out, points, {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                                  "data": args.data, "heldout_rows": args.heldout_rows,

@@ -27,9 +27,9 @@ def test_prefix_rows_and_arms():
         parse_arm("bad name=--vanilla")
 
 
-def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
-    """The conftest Llama target (its vocabulary covers the tokenizer, so dev prompts run), its
-    greedy continuations of random prompts as data."""
+def _setup(llama_target, tmp_path, tiny_tokenizer):
+    """The conftest Llama target saved as a model directory (its vocabulary covers the tokenizer,
+    so dev prompts run), its greedy continuations of random prompts as data, a random init."""
     import copy
 
     from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
@@ -56,6 +56,11 @@ def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
     dev = tmp_path / "dev.jsonl"
     dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": t}) + "\n"
                            for i, t in enumerate(["a list of values", "the quick fox"])))
+    return tdir, init, data, dev, seqs
+
+
+def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
+    tdir, init, data, dev, _ = _setup(llama_target, tmp_path, tiny_tokenizer)
     out = tmp_path / "curve"
     args = ["curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
             "--tokens", "40,150", "--arm", "fastmtp=", "--arm", "vanilla=--vanilla",
@@ -76,3 +81,31 @@ def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
     # a rerun has nothing left to do
     rc, _, err = run_cli(*args)
     assert rc == 0 and "curve: arm" not in err
+
+
+def test_curve_trains_scores_and_serves_with_the_vocab_table(llama_target, tmp_path, run_cli,
+                                                             tiny_tokenizer):
+    """``--vocab`` after ``--`` reaches training, the held-out score and the served drafts: with a
+    table that holds none of the data's response tokens every target is out of the table (counted
+    in the log) and no held-out draft can be accepted (tau_walk exactly 1)."""
+    from transformers import AutoTokenizer
+
+    from fastmtp_sglang.vocab import save_table, tokenizer_identity
+
+    tdir, init, data, dev, seqs = _setup(llama_target, tmp_path, tiny_tokenizer)
+    vocab = int(llama_target.config["vocab_size"])
+    used = set(seqs[:, 6:].reshape(-1).tolist())
+    ids = torch.tensor([i for i in range(vocab) if i not in used])
+    tok = AutoTokenizer.from_pretrained(str(tdir))
+    table = save_table(tmp_path / "en-x.pt", ids, {"lang": "en", "tokenizer": tokenizer_identity(tok)})
+    out = tmp_path / "curve"
+    rc, _, err = run_cli("curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
+                         "--tokens", "40", "--heldout-rows", "4", "--serve-steps", "2",
+                         "--dev-prompts", dev, "--dev-max-new-tokens", "8", "--no-progress", "--",
+                         "--epochs", "1", "--batch-size", "4", "--max-len", "64", "--vocab", table)
+    assert rc == 0, err
+    (p,) = json.loads((out / "curve.json").read_text())["points"]
+    assert p["heldout"]["tau_walk"] == 1.0 and 1.0 <= p["served_tau"]["2"] <= 3.0
+    steps = [json.loads(x) for x in (out / "fastmtp" / "40" / "train_log.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if x.get("event") == "step"]
+    assert steps and all(x["targets"] > 0 and x["out_of_table"] == [x["targets"]] * 3 for x in steps)
