@@ -1,0 +1,97 @@
+"""Data files for the training-signal ablation (bench/ablation.sh), from one self-distilled file.
+
+    python bench/ablation_data.py prefix   SRC DST TOKENS HELD
+    python bench/ablation_data.py corpus   SRC DST HELD
+    python bench/ablation_data.py prompts  DATA DST HELD
+    python bench/ablation_data.py mix      DATA GREEDY DST HELD
+
+``prefix``: the first HELD rows of SRC are the held-out rows (moved to the end of DST, where
+`fastmtp curve --heldout-rows HELD` takes them from); the training rows are read from row HELD on
+until TOKENS response tokens (+5%: rows longer than --max-len are cut when training). The same
+layout as bench/curve_demo.sh, so a point here and a point there train on the same rows.
+``corpus``: the responses of SRC's rows after the held-out ones, as jsonl text for
+`fastmtp build-vocab --corpus` (a table from the target's own outputs, never the held-out rows).
+``prompts``: one row per distinct prompt of DATA's training rows, for a greedy `fastmtp distill`.
+``mix``: DATA with the last sample of every prompt that has two or more replaced by that prompt's
+greedy continuation from GREEDY (when it survived distill's filters): the same prompts and the
+same number of rows, about a quarter of them greedy; held-out rows untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _rows(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return f.readlines()
+
+
+def _write(path: str, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+def prefix(src: str, dst: str, tokens: int, held: int) -> None:
+    rows = _rows(src)
+    if len(rows) <= held:
+        sys.exit(f"{src} has {len(rows)} rows; {held} are held out")
+    take, n = [], 0
+    for line in rows[held:]:
+        if n >= tokens * 1.05:
+            break
+        take.append(line)
+        n += len(json.loads(line)["response_ids"])
+    _write(dst, take + rows[:held])
+    print(f"prefix: {len(take)} training rows ({n} response tokens) + {held} held-out rows -> {dst}")
+
+
+def corpus(src: str, dst: str, held: int) -> None:
+    out = [json.dumps({"text": json.loads(x)["response"]}, ensure_ascii=False) + "\n"
+           for x in _rows(src)[held:]]
+    _write(dst, out)
+    print(f"corpus: {len(out)} responses -> {dst}")
+
+
+def prompts(data: str, dst: str, held: int = 0) -> None:
+    seen: dict[str, str] = {}
+    rows = _rows(data)
+    for line in rows[: len(rows) - held] if held else rows:
+        r = json.loads(line)
+        seen.setdefault(r["prompt_id"], r["prompt"])
+    _write(dst, [json.dumps({"id": k, "prompt": v}, ensure_ascii=False) + "\n" for k, v in seen.items()])
+    print(f"prompts: {len(seen)} distinct prompts -> {dst}")
+
+
+def mix(data: str, greedy: str, dst: str, held: int) -> None:
+    rows = _rows(data)
+    train, tail = rows[: len(rows) - held], rows[len(rows) - held:]
+    by_prompt = {json.loads(x)["prompt_id"]: x for x in _rows(greedy)}
+    last: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for i, line in enumerate(train):
+        pid = json.loads(line)["prompt_id"]
+        last[pid] = i
+        count[pid] = count.get(pid, 0) + 1
+    swapped = 0
+    for pid, i in last.items():
+        if count[pid] >= 2 and pid in by_prompt:
+            train[i] = by_prompt[pid]
+            swapped += 1
+    _write(dst, train + tail)
+    print(f"mix: {swapped} of {len(train)} training rows replaced by greedy continuations -> {dst}")
+
+
+if __name__ == "__main__":
+    cmd, *a = sys.argv[1:] or [""]
+    if cmd == "prefix":
+        prefix(a[0], a[1], int(float(a[2])), int(a[3]))
+    elif cmd == "corpus":
+        corpus(a[0], a[1], int(a[2]))
+    elif cmd == "prompts":
+        prompts(a[0], a[1], int(a[2]) if len(a) > 2 else 0)
+    elif cmd == "mix":
+        mix(a[0], a[1], a[2], int(a[3]))
+    else:
+        sys.exit(__doc__)
