@@ -2,7 +2,7 @@
 
     python bench/ablation_report.py runs/demo-pipeline-v2/ablation bench/results/ablation
 
-Reads the ``curve.json`` of each stage (``loss``, ``data``, ``seed``) under the ablation folder and
+Reads the ``curve.json`` of each stage (``loss``, ``data``, ``seed``, ``lr``) under the ablation folder and
 writes ``ablation.json``, ``ablation.md`` and ``ablation.png`` (served tau against K per arm, and
 held-out training-time tau) to the results folder. The noise level is the spread between an arm
 and its ``-seed1`` repeat: the same data and steps, another initial shuffle.
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-STAGES = ("loss", "data", "seed")
+STAGES = ("loss", "data", "seed", "lr")
 
 
 def load(root: Path) -> tuple[list[dict], dict[str, str]]:
