@@ -2,7 +2,7 @@
 compressed table, the argmax, and the draft extend, timed separately (medians over many calls,
 after warm-up), plus a torch.profiler table of one step. Nothing else should run meanwhile.
 
-    python bench/draft_step_profile.py [--head DIR] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
+    python bench/draft_step_profile.py [--head DIR] [--vocab TABLE.pt] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ctx", type=int, default=200, help="positions already in the head's cache")
     ap.add_argument("--steps", type=int, default=3, help="K: the draft extend covers K+1 positions")
+    ap.add_argument("--vocab", default=None, help="table(s) to draft over (as `fastmtp bench --vocab`); "
+                    "default: the head's own tables")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -50,7 +52,7 @@ def main() -> int:
     t = load_target(args.target, dtype=args.dtype)
     dt = getattr(torch, args.dtype)
     head = load_head(args.head, t.embed, t.lm_head, dtype=dt)
-    vocab = resolve_vocab(None, t.tokenizer, t.lm_head, draft_dir=args.head)
+    vocab = resolve_vocab(args.vocab, t.tokenizer, t.lm_head, draft_dir=args.head)
     H = head.cfg.hidden_size
     g0 = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (1, args.ctx + 16), generator=g0)
