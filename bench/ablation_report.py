@@ -83,6 +83,7 @@ def plot(points: list[dict], path: Path) -> None:
         style = "--" if p["arm"].endswith("-seed1") else "-"
         a1.plot([int(k) for k in ks], [st[k] for k in ks], style, marker="o", color=f"C{i % 10}",
                 label=p["arm"])
+    a1.set_xticks(sorted({int(k) for p in points for k in p.get("served_tau", {})}))
     a1.set_xlabel("K (draft steps)")
     a1.set_ylabel("served tau (dev prompts, greedy)")
     a1.grid(alpha=0.3)

@@ -541,3 +541,25 @@ def test_group_by_length_batches():
         return sum(len(b) * max(lengths[i] for i in b) for b in batches)
 
     assert padded(grouped) < 0.7 * padded(plain)
+
+
+def test_lr_default_depends_on_the_init(tmp_path):
+    """A head from `fastmtp init-head` (its config records the init) defaults to NEW_HEAD_LR; a
+    converted MTP layer keeps TrainConfig's default; a flag or a checkpoint's LR wins."""
+    import argparse
+
+    from fastmtp_sglang.train import NEW_HEAD_LR, _config_from_args
+
+    new, conv = tmp_path / "new", tmp_path / "conv"
+    for d, extra in ((new, {"init": {"method": "lstsq"}}), (conv, {})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"fastmtp": {"format_version": 1, **extra}}))
+
+    def cfg(init, lr=None, saved=None):
+        return _config_from_args(argparse.Namespace(init=str(init), lr=lr), saved)
+
+    assert cfg(new).lr == NEW_HEAD_LR != TrainConfig().lr
+    assert cfg(conv).lr == TrainConfig().lr
+    assert cfg(tmp_path / "missing").lr == TrainConfig().lr
+    assert cfg(new, lr=5e-5).lr == 5e-5
+    assert cfg(new, saved={"lr": 1e-3}).lr == 1e-3
