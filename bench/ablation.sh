@@ -16,7 +16,7 @@
 #   data: a greedy continuation of every training prompt replaces that prompt's last sample
 #         (same prompts, same row count, ~1/4 greedy), trained with LOSS_WINNER.
 #   seed: SEED_ARMS (the best two) again with --seed 1, for the noise level.
-#   lr:   LOSS_WINNER at LR 3e-3 instead of 1e-3 (the recipe, not the signal).
+#   lr:   LOSS_WINNER at each LR of LRS (default 3e-3) instead of 1e-3 (the recipe, not the signal).
 #   report: bench/results/ablation/ (one table, one plot) via bench/ablation_report.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,9 +75,11 @@ if run seed; then
     "$BIN/fastmtp" curve "${curve[@]}" --data "$OUT/data.jsonl" --out "$OUT/seed" --features "$OUT/features" \
         "${arms[@]}" -- "${common[@]}"
 fi
-if run lr; then  # not a signal arm: is 1e-3 too low for so few steps? (the winner loss at 3e-3)
+if run lr; then  # not a signal arm: is 1e-3 too low for so few steps? (the winner loss at LRS)
+    arms=()
+    for lr in ${LRS:-3e-3}; do arms+=(--arm "$LOSS_WINNER-lr$lr=${LOSS[$LOSS_WINNER]} --lr $lr"); done
     "$BIN/fastmtp" curve "${curve[@]}" --data "$OUT/data.jsonl" --out "$OUT/lr" --features "$OUT/features" \
-        --arm "$LOSS_WINNER-lr3e-3=${LOSS[$LOSS_WINNER]} --lr 3e-3" -- "${common[@]}"
+        "${arms[@]}" -- "${common[@]}"
 fi
 if run report; then
     "$BIN/python" bench/ablation_report.py "$OUT" bench/results/ablation
