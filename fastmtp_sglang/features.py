@@ -196,22 +196,26 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     device = next(model.parameters()).device
     todo = sorted((i for i, r in enumerate(rows) if r is None), key=lambda i: len(examples[i].ids))
     total_tokens = sum(len(examples[i].ids) for i in todo)
-    buf_h: list[torch.Tensor] = []
-    buf_ids: list[torch.Tensor] = []
-    buf_lp: list[torch.Tensor] = []
+    # One preallocated buffer per shard, filled in place: a list of per-row tensors interleaved
+    # with the forward's large transient allocations fragmented the heap (RSS reached 22 GB at
+    # 0.9M tokens of a 1.75M-token build, for ~1 GB of kept features).
+    cap = min(SHARD_TOKENS, max(total_tokens, 1))
+    buf_h = torch.empty(cap, H, dtype=fdt)
+    buf_ids = torch.empty(cap, key.topk, dtype=torch.int32) if key.topk else None
+    buf_lp = torch.empty(cap, key.topk, dtype=torch.float16) if key.topk else None
     buf_rows: list[tuple[int, int, int]] = []  # (row, offset, length) in the shard being filled
     filled = 0
 
     def flush() -> None:
-        nonlocal filled, buf_h, buf_ids, buf_lp, buf_rows
+        nonlocal filled, buf_rows
         if not buf_rows:
             return
         sid = len(done_shards)
         name = f"shard-{sid:05d}.safetensors"
-        tensors = {"hidden": torch.cat(buf_h).contiguous()}
+        tensors = {"hidden": buf_h[:filled]}
         if key.topk:
-            tensors["topk_ids"] = torch.cat(buf_ids).contiguous()
-            tensors["topk_logp"] = torch.cat(buf_lp).contiguous()
+            tensors["topk_ids"] = buf_ids[:filled]
+            tensors["topk_logp"] = buf_lp[:filled]
         tmp = part / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, part / name)
@@ -220,7 +224,7 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
             rows[r] = [sid, off, n]
         _write_json(prog_file, {"key": asdict(key), "shards": done_shards,
                                 "rows": {str(i): loc for i, loc in enumerate(rows) if loc is not None}})
-        buf_h, buf_ids, buf_lp, buf_rows, filled = [], [], [], [], 0
+        buf_rows, filled = [], 0
 
     t0 = time.perf_counter()
     with torch.no_grad(), tqdm(total=total_tokens, unit="tok", desc="features", disable=not progress,
@@ -244,14 +248,15 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
             for b, r in enumerate(group):
                 n = len(examples[r].ids)
                 h = hs[b, :n]
-                if filled and filled + n > SHARD_TOKENS:
+                if filled and filled + n > cap:
                     flush()
-                buf_h.append(h.to(fdt).cpu())
+                buf_h[filled:filled + n] = h
                 if key.topk:
                     lp = torch.log_softmax(target.lm_head(h).float(), dim=-1)
                     top = lp.topk(key.topk, dim=-1)
-                    buf_ids.append(top.indices.to(torch.int32).cpu())
-                    buf_lp.append(top.values.to(torch.float16).cpu())
+                    buf_ids[filled:filled + n] = top.indices
+                    buf_lp[filled:filled + n] = top.values
+                    del lp, top
                 buf_rows.append((r, filled, n))
                 filled += n
                 bar.update(n)
