@@ -156,6 +156,19 @@ class FeatureStore:
         return sum((self.path / s["file"]).stat().st_size for s in self.index["shards"])
 
 
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc only; a no-op elsewhere). The forward's
+    transient tensors grow with the sorted sequence lengths, and glibc kept the freed ones
+    resident: RSS grew ~10 KB per token (6.4 GB at 0.36M tokens) with nothing kept but the
+    preallocated shard buffer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tokens: int = 8192,
                    progress: bool = True, log=None) -> FeatureStore:
     """Run the target over ``examples`` (train.Example list) and write the cache at ``out``.
@@ -227,6 +240,7 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
         buf_rows, filled = [], 0
 
     t0 = time.perf_counter()
+    groups = 0
     with torch.no_grad(), tqdm(total=total_tokens, unit="tok", desc="features", disable=not progress,
                                dynamic_ncols=True, file=sys.stderr) as bar:
         i = 0
@@ -245,6 +259,9 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                 ids[b, :n] = examples[r].ids
                 mask[b, :n] = 1
             hs = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            groups += 1
+            if groups % 16 == 0:
+                _trim_heap()
             for b, r in enumerate(group):
                 n = len(examples[r].ids)
                 h = hs[b, :n]
