@@ -1065,7 +1065,9 @@ def _is_new_head(init: str | Path | None) -> bool:
         cfg = json.loads((Path(init) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return bool(((cfg.get("fastmtp") or {}).get("init") or {}).get("method"))
+    fm = cfg.get("fastmtp") if isinstance(cfg, dict) else None  # a malformed config is load_draft_dir's to report
+    init_info = fm.get("init") if isinstance(fm, dict) else None
+    return isinstance(init_info, dict) and bool(init_info.get("method"))
 
 
 def _config_from_args(args: argparse.Namespace, saved: dict[str, Any] | None) -> TrainConfig:
