@@ -59,7 +59,7 @@ sha256sum "$W/distill.jsonl" | tee "$W/distill.sha256"
 # vanilla; held-out rows and dev prompts fixed across points) with an en-16384 table built from
 # the target's own answers in the training rows; the last point of each arm is the head to bench.
 # (bench/curve_demo.sh reproduces the first, full-vocabulary curve in bench/results/curve_demo.)
-HEAD_POINTS=${HEAD_POINTS:-950000}
+HEAD_POINTS=${HEAD_POINTS:-940000}  # the data holds ~947K usable tokens after the held-out rows
 POINTS=${POINTS:-120000,$HEAD_POINTS} ARMS="fastmtp vanilla" LR=$LR EPOCHS=$EPOCHS \
     bash bench/head_demo.sh "$W" "$W/head"
 [[ $STAGE == curve ]] && exit 0

@@ -189,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
                                  "available_tokens": available})
             print(f"curve: {arm.name} @ {n}: held-out tau_walk {ev['tau_walk']:.3f}"
                   + (f", served tau {point['served_tau']}" if dev else ""), file=sys.stderr)
+    if not points:
+        raise FastMTPError(f"no point to train: every --tokens value exceeds the {available} "
+                           "response tokens before the held-out rows; pass smaller --tokens")
     print(f"wrote {out}/curve.json, curve.md, curve.png")
     return 0
 

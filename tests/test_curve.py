@@ -109,3 +109,14 @@ def test_curve_trains_scores_and_serves_with_the_vocab_table(llama_target, tmp_p
     steps = [json.loads(x) for x in (out / "fastmtp" / "40" / "train_log.jsonl").read_text().splitlines()]
     steps = [x for x in steps if x.get("event") == "step"]
     assert steps and all(x["targets"] > 0 and x["out_of_table"] == [x["targets"]] * 3 for x in steps)
+
+
+def test_curve_with_no_trainable_point_is_an_error(llama_target, tmp_path, run_cli, tiny_tokenizer):
+    """Every --tokens value beyond the data: a non-zero exit that says so, no curve.json."""
+    tdir, init, data, _, _ = _setup(llama_target, tmp_path, tiny_tokenizer)
+    out = tmp_path / "curve"
+    rc, _, err = run_cli("curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
+                         "--tokens", "100000", "--heldout-rows", "4", "--no-progress", "--",
+                         "--epochs", "1", "--batch-size", "4", "--max-len", "64")
+    assert rc != 0 and "no point to train" in err and "smaller --tokens" in err
+    assert not (out / "curve.json").exists()
