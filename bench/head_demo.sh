@@ -3,7 +3,7 @@
 # as much of the self-distilled data as POINTS asks, as points of one learning curve, so the head
 # that ships is also the curve's last point.
 #
-#   POINTS=1000000 bash bench/head_demo.sh [PIPELINE_DIR] [OUT]
+#   POINTS=940000 bash bench/head_demo.sh [PIPELINE_DIR] [OUT]
 #   ARMS="fastmtp vanilla" LOSS=kl LR=1e-3 POINTS=400000,1000000 bash bench/head_demo.sh
 #
 # Layout as bench/curve_demo.sh and bench/ablation.sh: the first 200 rows of distill.jsonl are
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${1:-runs/demo-pipeline-v2}
 OUT=${2:-$W/head}
-POINTS=${POINTS:-1000000}
+POINTS=${POINTS:-940000}   # ~947K usable response tokens after the held-out rows
 ARMS=${ARMS:-fastmtp}
 LOSS=${LOSS:-kl}
 LR=${LR:-1e-3}
