@@ -27,10 +27,7 @@ STAGE=${STAGE:-all}
 LOSS_WINNER=${LOSS_WINNER:-kl}
 SEED_ARMS=${SEED_ARMS:-kl,ce}
 HELD=200
-BIN=${BIN:-.venv/bin}
-T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2; print(materialize_smollm2())")
-[[ -f $W/distill.jsonl && -f $W/init/config.json ]] || {
-    echo "run STAGE=distill bash bench/demo_pipeline.sh $W first" >&2; exit 1; }
+source bench/demo_env.sh
 mkdir -p "$OUT"
 TABLE=$OUT/table/en-16384.pt
 common=(--steps 3 --epochs 2 --batch-size 8 --max-len 512 --lr 1e-3 --dtype bfloat16
@@ -41,9 +38,9 @@ declare -A LOSS=([ce]="--loss ce" [kl]="--loss kl --kl-topk 32" [ce+kl]="--loss 
 run() { [[ $STAGE == all || $STAGE == "$1" ]]; }
 
 if run prep; then
-    [[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/ablation_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$TOK" "$HELD"
+    [[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$TOK" "$HELD"
     if [[ ! -f $TABLE ]]; then
-        "$BIN/python" bench/ablation_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
+        "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
         "$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size 16384 \
             --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
     fi
@@ -56,13 +53,13 @@ if run loss; then
 fi
 if run data; then
     if [[ ! -f $OUT/greedy.jsonl.done ]]; then
-        "$BIN/python" bench/ablation_data.py prompts "$OUT/data.jsonl" "$OUT/greedy-prompts.jsonl" "$HELD"
+        "$BIN/python" bench/demo_data.py prompts "$OUT/data.jsonl" "$OUT/greedy-prompts.jsonl" "$HELD"
         "$BIN/fastmtp" distill --target "$T" --prompts "$OUT/greedy-prompts.jsonl" --n 1 --temperature 0 \
             --max-new-tokens 256 --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl \
             --out "$OUT/greedy.jsonl"
         touch "$OUT/greedy.jsonl.done"
     fi
-    [[ -f $OUT/mixed.jsonl ]] || "$BIN/python" bench/ablation_data.py mix "$OUT/data.jsonl" "$OUT/greedy.jsonl" "$OUT/mixed.jsonl" "$HELD"
+    [[ -f $OUT/mixed.jsonl ]] || "$BIN/python" bench/demo_data.py mix "$OUT/data.jsonl" "$OUT/greedy.jsonl" "$OUT/mixed.jsonl" "$HELD"
     "$BIN/fastmtp" features --target "$T" --data "$OUT/mixed.jsonl" --out "$OUT/features-mixed" \
         --max-len 512 --topk 32 --dtype bfloat16
     "$BIN/fastmtp" curve "${curve[@]}" --data "$OUT/mixed.jsonl" --out "$OUT/data" --features "$OUT/features-mixed" \

@@ -17,30 +17,10 @@ W=${1:-runs/demo-pipeline-v2}
 OUT=${2:-$W/curve}
 POINTS=${POINTS:-40000,120000}
 HELD=200
-BIN=${BIN:-.venv/bin}
-T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2; print(materialize_smollm2())")
-[[ -f $W/distill.jsonl && -f $W/init/config.json ]] || {
-    echo "run STAGE=distill bash bench/demo_pipeline.sh $W first" >&2; exit 1; }
+source bench/demo_env.sh
 mkdir -p "$OUT"
-"$BIN/python" - "$W/distill.jsonl" "$OUT/data.jsonl" "$POINTS" "$HELD" <<'EOF'
-import json, sys
-src, dst, points, held = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-need = max(int(float(x)) for x in points.split(","))
-rows = open(src, encoding="utf-8").readlines()
-if len(rows) <= held:
-    sys.exit(f"{src} has {len(rows)} rows; {held} are held out")
-take, toks = [], 0
-for line in rows[held:]:
-    if toks >= need * 1.05:  # a margin: rows longer than --max-len are cut when training
-        break
-    take.append(line)
-    toks += len(json.loads(line)["response_ids"])
-if toks < need:
-    print(f"curve_demo: only {toks} response tokens after the held-out rows; larger points are "
-          "skipped by fastmtp curve", file=sys.stderr)
-open(dst, "w", encoding="utf-8").writelines(take + rows[:held])
-print(f"curve_demo: {len(take)} training rows ({toks} response tokens) + {held} held-out rows -> {dst}")
-EOF
+max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
+"$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD"
 "$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$OUT/data.jsonl" --out "$OUT" \
     --tokens "$POINTS" --arm fastmtp= --arm vanilla=--vanilla --heldout-rows "$HELD" \
     --serve-steps 1,3 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \

@@ -23,16 +23,13 @@ LR=${LR:-1e-3}
 EPOCHS=${EPOCHS:-2}
 SIZE=${SIZE:-16384}
 HELD=200
-BIN=${BIN:-.venv/bin}
-T=$("$BIN/python" -c "from fastmtp_sglang.demo_target import materialize_smollm2; print(materialize_smollm2())")
-[[ -f $W/distill.jsonl && -f $W/init/config.json ]] || {
-    echo "run STAGE=distill bash bench/demo_pipeline.sh $W first" >&2; exit 1; }
+source bench/demo_env.sh
 mkdir -p "$OUT"
 max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
-[[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/ablation_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD"
+[[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD"
 TABLE=$OUT/table/en-$SIZE.pt
 if [[ ! -f $TABLE ]]; then
-    "$BIN/python" bench/ablation_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
+    "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
     "$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size "$SIZE" \
         --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
 fi

@@ -1,9 +1,10 @@
-"""Data files for the training-signal ablation (bench/ablation.sh), from one self-distilled file.
+"""Data files for the demo-target bench scripts (curve_demo.sh, ablation.sh, head_demo.sh),
+from one self-distilled file.
 
-    python bench/ablation_data.py prefix   SRC DST TOKENS HELD
-    python bench/ablation_data.py corpus   SRC DST HELD
-    python bench/ablation_data.py prompts  DATA DST HELD
-    python bench/ablation_data.py mix      DATA GREEDY DST HELD
+    python bench/demo_data.py prefix   SRC DST TOKENS HELD
+    python bench/demo_data.py corpus   SRC DST HELD
+    python bench/demo_data.py prompts  DATA DST HELD
+    python bench/demo_data.py mix      DATA GREEDY DST HELD
 
 ``prefix``: the first HELD rows of SRC are the held-out rows (moved to the end of DST, where
 `fastmtp curve --heldout-rows HELD` takes them from); the training rows are read from row HELD on
@@ -43,6 +44,9 @@ def prefix(src: str, dst: str, tokens: int, held: int) -> None:
             break
         take.append(line)
         n += len(json.loads(line)["response_ids"])
+    if n < tokens:
+        print(f"prefix: only {n} response tokens after the held-out rows; larger points are "
+              "skipped by fastmtp curve", file=sys.stderr)
     _write(dst, take + rows[:held])
     print(f"prefix: {len(take)} training rows ({n} response tokens) + {held} held-out rows -> {dst}")
 
