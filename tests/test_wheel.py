@@ -121,7 +121,7 @@ print(json.dumps({
     "demo_draft_what": what,
     "demo_prompts": str(demo.demo_prompts_path()),
     "tables": [str(p) for p in vocab.shipped_tables()],
-    "head_tables": [str(vocab.resolve_table_ref(r)) for r in refs],
+    "head_tables": [str(vocab.resolve_table_ref(r, head)) for r in refs],
     "head_table_names": tables.names,
     "train_prompts": [str(p) for p in sorted(train.glob("*.jsonl"))],
     "bench_data": [str(bench_data.bench_data_path(n)) for n in ("spec_bench.jsonl", "c_eval_zh.jsonl")],
