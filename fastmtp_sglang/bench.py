@@ -397,6 +397,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
     a1.plot(ks, [k + 1 for k in ks], ":", color="grey", label="K+1 (limit)")
     for c, block in results["categories"].items():
         a1.plot(ks, [block[k]["tau"] for k in ks], "-", alpha=0.35, lw=1)
+    ng = results.get("ngram", {}).get("overall", {})
+    if ng:  # tau does not depend on timing: drawn even when the timing is contaminated
+        a1.plot(list(ng), [r["tau"] for r in ng.values()], "s--", color="C2", label="prompt lookup")
     a1.set_xlabel("K (draft steps)"); a1.set_ylabel("tau (tokens / verification)")
     a1.legend(fontsize=8); a1.grid(alpha=0.3)
     if contamination_text(results.get("timing_check")):
@@ -404,12 +407,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
                 transform=a2.transAxes, color="C3")
     else:
         a2.plot(ks, [results["overall"][k]["speedup"] for k in ks], "o-", color="C1", label="draft head")
-        ng = results.get("ngram", {}).get("overall", {})
         if ng:
             a2.plot(list(ng), [r["speedup"] for r in ng.values()], "s--", color="C2",
                     label="prompt lookup")
-            a1.plot(list(ng), [r["tau"] for r in ng.values()], "s--", color="C2", label="prompt lookup")
-            a1.legend(fontsize=8)
             a2.legend(fontsize=8)
     a2.axhline(1.0, color="grey", ls=":")
     a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")
