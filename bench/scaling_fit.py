@@ -50,20 +50,19 @@ def main() -> int:
     pts = sorted((p for s in args.recipe for p in _points(s)), key=lambda p: p["tokens"])
     if len({p["tokens"] for p in pts}) < 2:
         raise SystemExit("need recipe points at two or more token counts")
-    series = {"held-out tau_walk": [p["heldout"]["tau_walk"] for p in pts]}
+    # name -> (values, the K that bounds it: tau <= K+1; the held-out walk runs to K=5 but is not
+    # a tau(K) of one K, so it gets no bound)
+    series = {"held-out tau_walk": ([p["heldout"]["tau_walk"] for p in pts], None)}
     for k in sorted({k for p in pts for k in p.get("served_tau", {})}, key=int):
         if all(k in p.get("served_tau", {}) for p in pts):
-            series[f"served tau K={k}"] = [p["served_tau"][k] for p in pts]
+            series[f"served tau K={k}"] = ([p["served_tau"][k] for p in pts], int(k))
     toks = [p["tokens"] for p in pts]
     fits = {}
-    for name, ys in series.items():
+    for name, (ys, k) in series.items():
         a, b = _fit(toks, [y - 1 for y in ys])
-        k = int(name.rpartition("=")[2]) if name.startswith("served") else None
-        # tau <= K+1: a goal above it is out of reach at that K whatever the data
-        need = math.inf if b <= 0 or (k is not None and args.goal > k + 1) else ((args.goal - 1) / a) ** (1 / b)
-        fits[name] = {"a": a, "b": b, "tokens_for_goal": need, "values": ys}
-        if not math.isfinite(need):
-            fits[name]["tokens_for_goal"] = None
+        reachable = b > 0 and (k is None or args.goal <= k + 1)
+        fits[name] = {"a": a, "b": b, "values": ys,
+                      "tokens_for_goal": ((args.goal - 1) / a) ** (1 / b) if reachable else None}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"goal": args.goal, "tokens": toks, "steps": [p["optimizer_steps"] for p in pts],
