@@ -1,4 +1,4 @@
-"""One table and one plot for the training-signal ablation (bench/ablation.sh, issue 14).
+"""One table and one plot for the training-signal ablation (bench/pipelines/ablation.sh, issue 14).
 
     python bench/ablation_report.py runs/demo-pipeline-v2/ablation bench/results/ablation
 
@@ -65,7 +65,7 @@ def markdown(points: list[dict], commands: dict[str, str], nz: dict[str, dict]) 
         lines += ["", "Noise (|arm - same arm with --seed 1|):", ""]
         for name, d in nz.items():
             lines.append(f"- {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in d.items()))
-    lines += ["", "Commands (bash bench/ablation.sh runs them all):", ""]
+    lines += ["", "Commands (bash bench/pipelines/ablation.sh runs them all):", ""]
     lines += [f"- {s}: `{c}`" for s, c in commands.items()]
     return "\n".join(lines) + "\n"
 
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     root, dst = Path(argv[0]), Path(argv[1])
     points, commands = load(root)
     if not points:
-        sys.exit(f"no curve.json under {root}/{{{','.join(STAGES)}}}: run bench/ablation.sh first")
+        sys.exit(f"no curve.json under {root}/{{{','.join(STAGES)}}}: run bench/pipelines/ablation.sh first")
     nz = noise(points)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "ablation.json").write_text(json.dumps({"points": points, "noise": nz, "commands": commands},

@@ -9,7 +9,7 @@ from one self-distilled file.
 ``prefix``: the first HELD rows of SRC are the held-out rows (moved to the end of DST, where
 `fastmtp curve --heldout-rows HELD` takes them from); the training rows are read from row HELD on
 until TOKENS response tokens (+5%: rows longer than --max-len are cut when training). The same
-layout as bench/curve_demo.sh, so a point here and a point there train on the same rows.
+layout as bench/pipelines/curve_demo.sh, so a point here and a point there train on the same rows.
 ``corpus``: the responses of SRC's rows after the held-out ones, as jsonl text for
 `fastmtp build-vocab --corpus` (a table from the target's own outputs, never the held-out rows).
 ``prompts``: one row per distinct prompt of DATA's training rows, for a greedy `fastmtp distill`.

@@ -28,15 +28,15 @@ PROMPTS = REPO / "fastmtp_sglang" / "data" / "train_prompts" / "alpaca_eval_inst
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    from fastmtp_sglang.prompts import render_chat
+    from fastmtp_sglang.core.prompts import render_chat
 
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()][:n]
     return [tokenizer(render_chat(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
 
 
 def run_local(target, ids: list[list[int]], batch: int, max_new: int) -> dict:
-    from fastmtp_sglang.batch_gen import GenRequest, SlotGenerator
-    from fastmtp_sglang.sampling import SamplingParams
+    from fastmtp_sglang.decode.batch_gen import GenRequest, SlotGenerator
+    from fastmtp_sglang.decode.sampling import SamplingParams
 
     def go(sub):
         w = SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).worker()
@@ -68,7 +68,7 @@ def run_http(target_dir: str, n: int, batch: int, max_new: int, dtype: str, tmp:
                                   "--steps", "0", "--port", str(port), "--max-batch", str(batch),
                                   "--dtype", dtype], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        from fastmtp_sglang import client
+        from fastmtp_sglang.serving import client
 
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 180
@@ -120,10 +120,10 @@ def main() -> int:
 
     import torch
 
-    from fastmtp_sglang.target import load_target
+    from fastmtp_sglang.core.target import load_target
 
     if args.target is None:
-        from fastmtp_sglang.demo_target import default_cache_dir, materialize_smollm2
+        from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
 
         args.target = str(materialize_smollm2(default_cache_dir(), progress=False))
     target = load_target(args.target, dtype=args.dtype)

@@ -42,12 +42,12 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    from fastmtp_sglang.draft_dir import load_head
-    from fastmtp_sglang.draft_vocab import resolve_vocab
-    from fastmtp_sglang.target import load_target
+    from fastmtp_sglang.core.draft_dir import load_head
+    from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+    from fastmtp_sglang.core.target import load_target
 
     if args.target is None:
-        from fastmtp_sglang.demo_target import materialize_smollm2
+        from fastmtp_sglang.core.demo_target import materialize_smollm2
         args.target = str(materialize_smollm2())
     t = load_target(args.target, dtype=args.dtype)
     dt = getattr(torch, args.dtype)

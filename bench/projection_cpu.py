@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from fastmtp_sglang.kernels.compressed_head import compressed_head_torch
-from fastmtp_sglang.target import load_target
-from fastmtp_sglang.vocab import TableSet
+from fastmtp_sglang.core.target import load_target
+from fastmtp_sglang.vocab.tables import TableSet
 
 
 def main() -> int:

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from fastmtp_sglang.bench_cli import load_prompt_ids
-from fastmtp_sglang.draft_dir import load_head
-from fastmtp_sglang.engine import ReferenceEngine, Request
-from fastmtp_sglang.metrics import summarize_cycles
-from fastmtp_sglang.sampling import SamplingParams
-from fastmtp_sglang.target import load_target
-from fastmtp_sglang.train import Example, training_tau
+from fastmtp_sglang.cli.bench import load_prompt_ids
+from fastmtp_sglang.core.draft_dir import load_head
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+from fastmtp_sglang.decode.metrics import summarize_cycles
+from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.core.target import load_target
+from fastmtp_sglang.training.train import Example, training_tau
 
 
 def main() -> int:

@@ -8,7 +8,7 @@
 For each dtype, vLLM (``vllm.LLM``, the same engine ``vllm serve`` runs) serves the target at
 K=0 and at K (default 3) with the draft as ``speculative_config={"method": "eagle", ...}``, each
 in its own process, one prompt at a time, greedy; then the reference engine
-(``fastmtp_sglang.engine``) runs the same prompt token ids with the same head at the same K and
+(``fastmtp_sglang.decode.engine``) runs the same prompt token ids with the same head at the same K and
 dtype. Written to ``--out``: ``results.json`` (every prompt's tokens, per-prompt acceptance from
 vLLM's own counters, timings) and ``results.md``.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = REPO / "fastmtp_sglang" / "data" / "heads" / "smollm2-135m-fastmtp-k3"
 DEFAULT_PROMPTS = REPO / "bench" / "data" / "spec_bench.jsonl"
-KV_CACHE_BYTES = 1 << 30  # see fastmtp_sglang.vllm_launch: the CPU worker's default refuses shared RAM
+KV_CACHE_BYTES = 1 << 30  # see fastmtp_sglang.serving.vllm_launch: the CPU worker's default refuses shared RAM
 
 
 # -- vLLM worker (its own process: one engine per process) -------------------------------------
@@ -101,10 +101,10 @@ def run_vllm(job: dict, workdir: Path) -> dict:
 
 def run_reference(target_dir: str, draft: str, steps: int, dtype: str, prompts: list[dict],
                   max_new_tokens: int) -> list[dict]:
-    from fastmtp_sglang.draft_dir import load_head
-    from fastmtp_sglang.engine import ReferenceEngine, Request
-    from fastmtp_sglang.sampling import SamplingParams
-    from fastmtp_sglang.target import load_target, parse_dtype
+    from fastmtp_sglang.core.draft_dir import load_head
+    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+    from fastmtp_sglang.decode.sampling import SamplingParams
+    from fastmtp_sglang.core.target import load_target, parse_dtype
 
     dt = parse_dtype(dtype)
     target = load_target(target_dir, dt, "cpu")
@@ -197,7 +197,7 @@ def markdown(res: dict) -> str:
             f"{_f(s['tok_s_k'], '{:.1f}')} | {_f(s['speedup'], '{:.2f}x')} |")
     lines += ["", "tau vLLM = 1 + accepted / drafts from vLLM's `spec_decode_num_drafts` and "
               "`spec_decode_num_accepted_tokens` counters (deltas per request); tau reference = "
-              "emitted / verify cycles of `fastmtp_sglang.engine`. \"Same as reference\": the "
+              "emitted / verify cycles of `fastmtp_sglang.decode.engine`. \"Same as reference\": the "
               "vLLM K-step output equals the reference engine's K-step output token for token.",
               ""]
     return "\n".join(lines)
@@ -229,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from transformers import AutoTokenizer
 
-    from fastmtp_sglang.prompts import load_prompts, render_chat
+    from fastmtp_sglang.core.prompts import load_prompts, render_chat
 
     target = args.target
     if target is None:
-        from fastmtp_sglang.demo_target import materialize_smollm2
+        from fastmtp_sglang.core.demo_target import materialize_smollm2
 
         target = str(materialize_smollm2())
     tok = AutoTokenizer.from_pretrained(target)

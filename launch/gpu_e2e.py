@@ -92,7 +92,7 @@ class Servers:
         self.commands: dict[int, str] = {}
 
     def start_all(self) -> None:
-        from fastmtp_sglang.sglang_launch import build_launch_command, format_command, wait_for_health
+        from fastmtp_sglang.serving.sglang_launch import build_launch_command, format_command, wait_for_health
 
         logs = self.cfg.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ class Servers:
 
 def greedy_runs(urls: dict[int, str], prompts: list[tuple[str, list[int]]], max_new_tokens: int):
     """K -> per prompt: output ids, verify cycles, accepted drafts (SGLang's meta_info)."""
-    from fastmtp_sglang.client import generate
+    from fastmtp_sglang.serving.client import generate
 
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     runs: dict[int, list[dict]] = {}
@@ -204,8 +204,8 @@ def run_bench(cfg: Config, urls: dict[int, str], target: Path) -> tuple[int, str
 
 def resolve_models(cfg: Config) -> tuple[Path, Path, bool]:
     """(target, draft, draft_is_trained)."""
-    from fastmtp_sglang.demo import demo_draft, shipped_head
-    from fastmtp_sglang.demo_target import default_cache_dir, materialize_smollm2
+    from fastmtp_sglang.cli.demo import demo_draft, shipped_head
+    from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
 
     cache = default_cache_dir()
     target = cfg.target or materialize_smollm2(cache, progress=True)
@@ -219,8 +219,8 @@ def resolve_models(cfg: Config) -> tuple[Path, Path, bool]:
 def load_prompts(cfg: Config, target: Path) -> list[tuple[str, list[int]]]:
     from transformers import AutoTokenizer
 
-    from fastmtp_sglang.demo import demo_prompts_path
-    from fastmtp_sglang.prompts import load_prompts as read, render_chat
+    from fastmtp_sglang.cli.demo import demo_prompts_path
+    from fastmtp_sglang.core.prompts import load_prompts as read, render_chat
 
     tok = AutoTokenizer.from_pretrained(str(target))
     rows = read(cfg.prompts or [demo_prompts_path()])[: cfg.num_prompts]

@@ -13,7 +13,7 @@
 #       -- --mem-fraction-static 0.5
 #
 # This is what `fastmtp serve --engine sglang --target TARGET --draft DRAFT --steps K` runs
-# (fastmtp_sglang/sglang_launch.py); read it to adapt the command by hand.
+# (fastmtp_sglang/serving/sglang_launch.py); read it to adapt the command by hand.
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then

@@ -14,7 +14,7 @@
 #       fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3 3 -- --dtype float32
 #
 # This is what `fastmtp serve --engine vllm --target TARGET --draft DRAFT --steps K` runs
-# (fastmtp_sglang/vllm_launch.py); read it to adapt the command by hand.
+# (fastmtp_sglang/serving/vllm_launch.py); read it to adapt the command by hand.
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then

@@ -480,7 +480,7 @@ def reference_server_process(args: list[str], log_path: Path, startup_s: float =
 
     ``prelude``: Python source run in the server process before the CLI (tests use it to inject
     faults into the engine); the process is then ``python -c`` instead of ``python -m``."""
-    from fastmtp_sglang import client
+    from fastmtp_sglang.serving import client
 
     cli = ["serve", "--engine", "reference", "--host", "127.0.0.1", "--port", "0", *args]
     if prelude is None:

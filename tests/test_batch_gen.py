@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmtp_sglang.batch_gen import GenRequest, PromptTooLong, SlotGenerator, generate_all
-from fastmtp_sglang.sampling import SamplingParams
+from fastmtp_sglang.decode.batch_gen import GenRequest, PromptTooLong, SlotGenerator, generate_all
+from fastmtp_sglang.decode.sampling import SamplingParams
 from test_engine import tiny_target
 
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4], [8, 8, 8, 8, 8, 8, 8, 8, 2, 40, 41], [17], [60, 61, 62, 63],
@@ -74,7 +74,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
 def test_sampled_first_token_follows_the_filtered_target(top_k, top_p):
     """The fast top-k draw (top_k > 0) and the full path (top_k = -1) both sample the first token
     from logits_to_probs's distribution (statistical: 3000 seeds, total variation < 0.05)."""
-    from fastmtp_sglang.sampling import logits_to_probs
+    from fastmtp_sglang.decode.sampling import logits_to_probs
 
     v = 16
     t = tiny_target("llama", seed=15, vocab=v)

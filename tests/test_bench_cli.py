@@ -7,11 +7,11 @@ import json
 
 import torch
 
-from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
+from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
 
 
 def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli):
-    from fastmtp_sglang.head import FastMTPHead, HeadConfig
+    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 
     cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
     torch.manual_seed(0)

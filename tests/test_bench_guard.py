@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastmtp_sglang.bench import BenchConfig, Sample, markdown, rotated, summarize, timing_guard
+from fastmtp_sglang.benchmark.sweep import BenchConfig, Sample, markdown, rotated, summarize, timing_guard
 
 
 def _samples(steps, tau_acc, t0_ms, draft_ms, verify_ms, repeats=3, prompts=4, tokens=64,

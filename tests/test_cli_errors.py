@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fastmtp_sglang.convert import convert
-from fastmtp_sglang.draft_dir import load_draft_dir
-from fastmtp_sglang.errors import DraftFormatError
-from fastmtp_sglang.init_head import init_head
+from fastmtp_sglang.core.convert import convert
+from fastmtp_sglang.core.draft_dir import load_draft_dir
+from fastmtp_sglang.core.errors import DraftFormatError
+from fastmtp_sglang.training.init_head import init_head
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def test_unwritable_output_under_a_file(mimo_ckpt, tmp_path, run_cli):
 
 
 def test_write_failure_midway_leaves_nothing(mimo_ckpt, tmp_path, run_cli, monkeypatch):
-    import fastmtp_sglang.draft_dir as dd
+    import fastmtp_sglang.core.draft_dir as dd
 
     def disk_full(tensors, path, metadata=None):
         Path(path).write_bytes(b"partial")
@@ -276,7 +276,7 @@ def test_overwrite_replaces_atomically(mimo_ckpt, deepseek_ckpt, tmp_path, run_c
     (out / "stale.txt").write_text("from before")
     before = (out / "config.json").read_text()
     # a failed overwrite keeps the old directory whole
-    import fastmtp_sglang.draft_dir as dd
+    import fastmtp_sglang.core.draft_dir as dd
 
     real = dd.save_file
 

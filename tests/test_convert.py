@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fastmtp_sglang.convert import convert, extract
-from fastmtp_sglang.draft_dir import expected_shapes, load_draft_dir, load_head
-from fastmtp_sglang.head import FastMTPHead, HeadConfig
-from fastmtp_sglang.init_head import _calibration_pairs, init_head, init_state_dict
-from fastmtp_sglang.target import load_target
+from fastmtp_sglang.core.convert import convert, extract
+from fastmtp_sglang.core.draft_dir import expected_shapes, load_draft_dir, load_head
+from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
+from fastmtp_sglang.training.init_head import _calibration_pairs, init_head, init_state_dict
+from fastmtp_sglang.core.target import load_target
 
 from conftest import HD, NH, NKV  # noqa: E402
 

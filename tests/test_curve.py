@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from fastmtp_sglang.curve import parse_arm, prefix_rows
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.train import Example
+from fastmtp_sglang.training.curve import parse_arm, prefix_rows
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.train import Example
 from test_train import one_thread, toy  # noqa: F401  (fixtures)
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n"
@@ -32,8 +32,8 @@ def _setup(llama_target, tmp_path, tiny_tokenizer):
     so dev prompts run), its greedy continuations of random prompts as data, a random init."""
     import copy
 
-    from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
-    from fastmtp_sglang.target import Target
+    from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
+    from fastmtp_sglang.core.target import Target
     from test_train import greedy, random_head
 
     model = llama_target.model
@@ -90,7 +90,7 @@ def test_curve_trains_scores_and_serves_with_the_vocab_table(llama_target, tmp_p
     in the log) and no held-out draft can be accepted (tau_walk exactly 1)."""
     from transformers import AutoTokenizer
 
-    from fastmtp_sglang.vocab import save_table, tokenizer_identity
+    from fastmtp_sglang.vocab.tables import save_table, tokenizer_identity
 
     tdir, init, data, dev, seqs = _setup(llama_target, tmp_path, tiny_tokenizer)
     vocab = int(llama_target.config["vocab_size"])

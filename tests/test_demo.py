@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fastmtp_sglang.cli import main
-from fastmtp_sglang.demo import shipped_head
+from fastmtp_sglang.cli.demo import shipped_head
 
 
 def test_a_trained_head_ships():

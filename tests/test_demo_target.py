@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastmtp_sglang import demo_target
-from fastmtp_sglang.demo_target import (
+from fastmtp_sglang.core import demo_target
+from fastmtp_sglang.core.demo_target import (
     CACHE_SUBDIR,
     DEMO_TARGET_NAME,
     MARKER,
     locate_demo_gguf,
     materialize_smollm2,
 )
-from fastmtp_sglang.errors import FastMTPError
+from fastmtp_sglang.core.errors import FastMTPError
 
 # --- fast: cache, atomicity and error messages, with a stub conversion ------------------------
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from conftest import reference_server
-from fastmtp_sglang import client
-from fastmtp_sglang.distill import (
+from fastmtp_sglang.serving import client
+from fastmtp_sglang.training.distill import (
     DistillConfig, Excluder, Job, Refused, ResponseFilter, Unreachable, distill, eval_texts,
     is_degenerate, load_jsonl_repair, normalise, read_prompts_tolerant, rejected_path,
     repetition_coverage, request_with_retries, sample_seed, stats_path,
 )
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.prompts import Prompt, render_chat
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.prompts import Prompt, render_chat
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_CONTEXT = 80
@@ -495,7 +495,7 @@ def test_in_process_interrupt_leaves_a_resumable_file(target_dir, tmp_path):
     import os
     import signal
 
-    from fastmtp_sglang import batch_gen
+    from fastmtp_sglang.decode import batch_gen
 
     kw = dict(target=str(target_dir), batch_size=2, dtype="float32", temperature=0.0, n=2,
               max_repeat_fraction=1.0)

@@ -21,8 +21,8 @@ from conftest import DEEPSEEK_CONFIG
 CRASH = r"""
 import json, os, shutil, signal, sys
 import torch
-from fastmtp_sglang import draft_dir as dd
-from fastmtp_sglang.head import HeadConfig
+from fastmtp_sglang.core import draft_dir as dd
+from fastmtp_sglang.core.head import HeadConfig
 
 out, mode = sys.argv[1], sys.argv[2]
 cfg = dd.make_draft_config(json.loads(sys.argv[3]), "deepseek", dtype="float32")
@@ -54,8 +54,8 @@ def crash(out: Path, mode: str) -> subprocess.CompletedProcess:
 def a_draft(tmp: Path, name: str = "out") -> Path:
     import torch
 
-    from fastmtp_sglang.draft_dir import expected_shapes, make_draft_config, save_draft_dir
-    from fastmtp_sglang.head import HeadConfig
+    from fastmtp_sglang.core.draft_dir import expected_shapes, make_draft_config, save_draft_dir
+    from fastmtp_sglang.core.head import HeadConfig
 
     cfg = make_draft_config(DEEPSEEK_CONFIG, "deepseek", dtype="float32")
     sd = {k: torch.randn(s) for k, s in expected_shapes(HeadConfig.from_dict(cfg)).items()}
@@ -79,7 +79,7 @@ def test_leftovers_of_kill_9_are_removed_by_the_next_write(tmp_path, capsys):
 
 
 def test_crash_between_the_renames_restores_the_old_directory(tmp_path, capsys):
-    from fastmtp_sglang.draft_dir import clean_stale_temporaries, is_draft_dir
+    from fastmtp_sglang.core.draft_dir import clean_stale_temporaries, is_draft_dir
 
     out = a_draft(tmp_path)
     before = (out / "config.json").read_text()
@@ -95,7 +95,7 @@ def test_crash_between_the_renames_restores_the_old_directory(tmp_path, capsys):
 
 
 def test_live_writers_and_foreign_names_are_left_alone(tmp_path):
-    from fastmtp_sglang.draft_dir import stale_temporaries
+    from fastmtp_sglang.core.draft_dir import stale_temporaries
 
     out = a_draft(tmp_path)
     live = tmp_path / f".out.tmp-{os.getppid()}-abc"      # a live process's write in progress
@@ -132,8 +132,8 @@ def test_overwrite_refuses_what_is_not_a_draft_directory(mimo_ckpt, tmp_path, ru
     rc, _, err = run_cli("convert", "--format", "mimo", mimo_ckpt.path, empty, "--overwrite")
     assert rc == 0, err
     # the library refuses too, not only the CLI
-    from fastmtp_sglang.draft_dir import load_draft_dir, save_draft_dir
-    from fastmtp_sglang.errors import FastMTPError
+    from fastmtp_sglang.core.draft_dir import load_draft_dir, save_draft_dir
+    from fastmtp_sglang.core.errors import FastMTPError
 
     d = load_draft_dir(empty)
     with pytest.raises(FastMTPError, match="not a draft directory"):

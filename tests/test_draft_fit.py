@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastmtp_sglang.errors import MismatchError
+from fastmtp_sglang.core.errors import MismatchError
 
 
 class OtherTokenizer:
@@ -25,8 +25,8 @@ class OtherTokenizer:
 
 
 def _draft(root: Path, name: str, target_config: dict, base: dict) -> Path:
-    from fastmtp_sglang.draft_dir import expected_shapes, make_draft_config, save_draft_dir
-    from fastmtp_sglang.head import HeadConfig
+    from fastmtp_sglang.core.draft_dir import expected_shapes, make_draft_config, save_draft_dir
+    from fastmtp_sglang.core.head import HeadConfig
 
     cfg = make_draft_config(target_config, "deepseek", dtype="float32", base_model=base)
     sd = {k: 0.02 * torch.randn(s) for k, s in expected_shapes(HeadConfig.from_dict(cfg)).items()}
@@ -36,7 +36,7 @@ def _draft(root: Path, name: str, target_config: dict, base: dict) -> Path:
 @pytest.fixture(scope="module")
 def drafts(llama_target, tiny_tokenizer, tmp_path_factory):
     """(own, other config, other tokenizer, list config) drafts for the Llama test target."""
-    from fastmtp_sglang.identity import target_identity
+    from fastmtp_sglang.core.identity import target_identity
 
     root = tmp_path_factory.mktemp("fit")
     cfg = llama_target.config
@@ -61,8 +61,8 @@ def _serve_args(target, draft, *extra):
 
 
 def test_require_fits_names_the_mismatch(llama_target, tiny_tokenizer, drafts):
-    from fastmtp_sglang.draft_dir import read_config
-    from fastmtp_sglang.target import require_fits
+    from fastmtp_sglang.core.draft_dir import read_config
+    from fastmtp_sglang.core.target import require_fits
 
     own, other_cfg, other_tok, _ = drafts
     cfg = llama_target.config
@@ -82,7 +82,7 @@ def test_require_fits_names_the_mismatch(llama_target, tiny_tokenizer, drafts):
 
 
 def test_serve_refuses_a_foreign_draft_unless_allowed(llama_target, drafts, run_cli, capsys):
-    from fastmtp_sglang.serve import build_reference_server
+    from fastmtp_sglang.cli.serve import build_reference_server
 
     own, other_cfg, other_tok, _ = drafts
     for draft, needle in ((other_cfg, "base config hash"), (other_tok, "tokenizer hash")):

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastmtp_sglang.draft_dir import make_draft_config
-from fastmtp_sglang.engine import ReferenceEngine, Request, RequestError
-from fastmtp_sglang.head import FastMTPHead, HeadConfig
-from fastmtp_sglang.metrics import aggregate
-from fastmtp_sglang.sampling import SamplingParams
-from fastmtp_sglang.target import Target
+from fastmtp_sglang.core.draft_dir import make_draft_config
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request, RequestError
+from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
+from fastmtp_sglang.decode.metrics import aggregate
+from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.core.target import Target
 
 V = 97
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4], [8, 8, 8, 8, 8, 8, 8, 8, 2, 40, 41]]

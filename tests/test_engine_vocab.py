@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmtp_sglang.draft_vocab import DraftVocab
-from fastmtp_sglang.engine import ReferenceEngine, Request
-from fastmtp_sglang.sampling import SamplingParams
-from fastmtp_sglang.vocab import SCRIPT_CJK, SCRIPT_LATIN, TableSet
+from fastmtp_sglang.vocab.draft_vocab import DraftVocab
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.vocab.tables import SCRIPT_CJK, SCRIPT_LATIN, TableSet
 from test_engine import PROMPTS, greedy_reference, random_head, successor_world, tiny_target
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang import features as feat
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.features import FeatureStore, build_features, make_key, open_or_build
-from fastmtp_sglang.target import load_target
-from fastmtp_sglang.train import kl_topk_terms, load_examples, load_trainer_state, train
+from fastmtp_sglang.training import features as feat
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.features import FeatureStore, build_features, make_key, open_or_build
+from fastmtp_sglang.core.target import load_target
+from fastmtp_sglang.training.train import kl_topk_terms, load_examples, load_trainer_state, train
 from test_train import K, one_thread, small_cfg, toy  # noqa: F401  (fixtures)
 
 

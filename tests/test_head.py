@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmtp_sglang.draft_dir import expected_shapes
-from fastmtp_sglang.head import FastMTPHead, HeadConfig
+from fastmtp_sglang.core.draft_dir import expected_shapes
+from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 
 from conftest import H, HD, I, NH, NKV  # noqa: E402  (pytest puts tests/ on sys.path)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmtp_sglang.engine import ReferenceEngine, Request
-from fastmtp_sglang.metrics import aggregate
-from fastmtp_sglang.ngram import NgramDrafter
-from fastmtp_sglang.sampling import SamplingParams
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+from fastmtp_sglang.decode.metrics import aggregate
+from fastmtp_sglang.decode.ngram import NgramDrafter
+from fastmtp_sglang.decode.sampling import SamplingParams
 from test_engine import N_NEW, PROMPTS, greedy_reference, tiny_target
 
 

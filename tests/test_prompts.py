@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fastmtp_sglang.demo_target import SMOLLM2_CHAT_TEMPLATE
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.prompts import Prompt, load_prompts, render_chat
+from fastmtp_sglang.core.demo_target import SMOLLM2_CHAT_TEMPLATE
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.prompts import Prompt, load_prompts, render_chat
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_BENCH = REPO / "bench" / "data" / "spec_bench.jsonl"
@@ -199,7 +199,7 @@ def test_render_chat_without_template_says_so(chatml_tokenizer):
 def test_render_chat_with_the_demo_tokenizer():
     from transformers import AutoTokenizer
 
-    from fastmtp_sglang.demo_target import materialize_smollm2
+    from fastmtp_sglang.core.demo_target import materialize_smollm2
 
     tok = AutoTokenizer.from_pretrained(materialize_smollm2(progress=False))
     prompt = load_prompts(SPEC_BENCH, categories=["math"], limit_per_category=1)[0]

@@ -6,7 +6,7 @@ Run: .venv/bin/pytest tests/test_sampling.py
 import pytest
 import torch
 
-from fastmtp_sglang.sampling import (
+from fastmtp_sglang.decode.sampling import (
     SamplingParams,
     logits_to_probs,
     sample,

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import reference_server
-from fastmtp_sglang import client
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.server import BadRequest, parse_generate
+from fastmtp_sglang.serving import client
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.server import BadRequest, parse_generate
 
 STEPS = 3
 MAX_CONTEXT = 64
@@ -60,8 +60,8 @@ def world(tmp_path_factory):
     """(target dir, draft dir, tokenizer, transformers model) on disk in a temp directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
-    from fastmtp_sglang.head import FastMTPHead, HeadConfig
+    from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
+    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 
     root = tmp_path_factory.mktemp("serve")
     tok = _tokenizer()
@@ -107,7 +107,7 @@ def server(world, tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_target(world):
     """The target loaded in this process, as the server loads it."""
-    from fastmtp_sglang.target import load_target
+    from fastmtp_sglang.core.target import load_target
 
     return load_target(world[0], "float32")
 
@@ -161,9 +161,9 @@ def test_generate_text_matches_greedy_target(server, world):
 
 
 def test_generate_input_ids_matches_in_process_engine(server, world, local_target):
-    from fastmtp_sglang.draft_dir import load_head
-    from fastmtp_sglang.engine import ReferenceEngine, Request
-    from fastmtp_sglang.sampling import SamplingParams
+    from fastmtp_sglang.core.draft_dir import load_head
+    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+    from fastmtp_sglang.decode.sampling import SamplingParams
 
     _, draft_dir, tok, _ = world
     target = local_target
@@ -331,8 +331,8 @@ def test_parse_generate_defaults():
 
 
 def test_engine_failure_fails_the_batch_with_500_then_recovers(world, local_target):
-    from fastmtp_sglang.engine import ReferenceEngine
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
     real = engine.generate
@@ -383,7 +383,7 @@ def test_cli_refuses_sglang_args_for_reference(world, run_cli):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only choice")
 def test_auto_engine_is_reference_without_cuda():
-    from fastmtp_sglang.serve import pick_engine
+    from fastmtp_sglang.cli.serve import pick_engine
 
     engine, why = pick_engine("auto")
     assert engine == "reference" and "CUDA" in why
@@ -391,7 +391,7 @@ def test_auto_engine_is_reference_without_cuda():
 
 def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
     """--engine sglang builds SGLang's command (flags after `--` passed through) and runs it."""
-    from fastmtp_sglang import serve
+    from fastmtp_sglang.cli import serve
 
     launched = {}
 
@@ -427,7 +427,7 @@ def test_sglang_engine_without_cuda_is_one_line(world, run_cli, monkeypatch):
     import subprocess
     import sys
 
-    from fastmtp_sglang import serve
+    from fastmtp_sglang.cli import serve
 
     def no_popen(*args, **kwargs):
         raise AssertionError("nothing may be started without CUDA")
@@ -458,7 +458,7 @@ def faulty_engine(target, delay_s: float = 0.0, fail_after: int | None = None):
     """A K=0 ReferenceEngine whose target forward sleeps ``delay_s``, and whose ``generate``
     raises on any batch holding a POISON prompt: at once, or (``fail_after``) after that many
     token callbacks, when the other rows have already streamed tokens."""
-    from fastmtp_sglang.engine import ReferenceEngine
+    from fastmtp_sglang.decode.engine import ReferenceEngine
 
     class Faulty(ReferenceEngine):
         def _target(self, *args, **kwargs):
@@ -493,7 +493,7 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 def test_a_poisoned_request_fails_alone(world, local_target):
     """The engine raises mid-generation on a batch of 5: the poisoned request gets 500, the
     other four (two of them streams that had already sent tokens) get their exact answers."""
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     _, _, tok, model = world
     goods = [tok(p)["input_ids"] for p in PROMPTS]
@@ -550,7 +550,7 @@ def test_client_disconnect_aborts_generation(world, local_target):
     room for a client thread that a busy machine schedules late)."""
     import socket
 
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.03)
@@ -573,7 +573,7 @@ def test_client_disconnect_aborts_generation(world, local_target):
 
 
 def test_abort_request_like_sglang(world, local_target):
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     import threading
 
@@ -616,7 +616,7 @@ def test_abort_request_like_sglang(world, local_target):
 
 
 def test_full_queue_is_503_with_retry_after(world, local_target):
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.02)
@@ -645,8 +645,8 @@ def test_body_limits_timeouts_and_tokenizer_thread(world, local_target):
     import socket
     import threading
 
-    from fastmtp_sglang.engine import ReferenceEngine
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     calls = []
 
@@ -702,7 +702,7 @@ def test_body_limits_timeouts_and_tokenizer_thread(world, local_target):
 def test_in_process_shutdown_answers_streams_in_flight(world, local_target):
     """shutdown() with a stream in flight and shutdown_timeout_s 0.3: the stream ends with an
     abort event and [DONE]; a request waiting behind it gets 503 + Retry-After."""
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     long = {"temperature": 0, "max_new_tokens": 50, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.03)
@@ -726,8 +726,8 @@ def test_in_process_shutdown_answers_streams_in_flight(world, local_target):
 
 def test_connection_burst_is_not_reset(world, local_target):
     """128 clients connecting at once (the old server's listen backlog was 5)."""
-    from fastmtp_sglang.engine import ReferenceEngine
-    from fastmtp_sglang.server import ReferenceServer
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.serving.server import ReferenceServer
 
     def health(_):
         with urllib.request.urlopen(srv.url + "/health", timeout=60) as resp:

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import reference_server_process
-from fastmtp_sglang import client
+from fastmtp_sglang.serving import client
 
 STEPS = 3
 MAX_CONTEXT = 160
@@ -47,7 +47,7 @@ PROMPTS = ["def add(a, b):", "The list is a sequence", "Hello there", "import os
 # bug in the engine would), and each target forward sleeps 5 ms so that batches overlap.
 PRELUDE = f"""
 import time
-from fastmtp_sglang import engine as _engine
+from fastmtp_sglang.decode import engine as _engine
 
 _generate, _target = _engine.ReferenceEngine.generate, _engine.ReferenceEngine._target
 
@@ -70,9 +70,9 @@ _engine.ReferenceEngine.generate, _engine.ReferenceEngine._target = generate, ta
 
 @pytest.fixture(scope="module")
 def draft_dir(llama_target, tmp_path_factory):
-    from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir
-    from fastmtp_sglang.head import FastMTPHead, HeadConfig
-    from fastmtp_sglang.identity import target_identity
+    from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
+    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
+    from fastmtp_sglang.core.identity import target_identity
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(llama_target.path))

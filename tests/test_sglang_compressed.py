@@ -31,9 +31,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from fastmtp_sglang.errors import MismatchError  # noqa: E402
+from fastmtp_sglang.core.errors import MismatchError  # noqa: E402
 from fastmtp_sglang.kernels.compressed_head import compressed_head  # noqa: E402
-from fastmtp_sglang.vocab import (  # noqa: E402
+from fastmtp_sglang.vocab.tables import (  # noqa: E402
     SCRIPT_CJK, SCRIPT_LATIN, SCRIPT_NEUTRAL, save_table, tokenizer_identity,
 )
 from test_sglang_model import KVHarness, build, make_draft, sglang_config, weights_of  # noqa: E402
@@ -446,8 +446,8 @@ def test_decode_projection_in_a_cuda_graph(sgl, models):
 # --------------------------------------------------------------------------------------------
 
 def test_launch_passes_the_vocab_choice(drafts, tmp_path, monkeypatch):
-    from fastmtp_sglang.errors import FastMTPError
-    from fastmtp_sglang.sglang_launch import VOCAB_ENV, build_launch_command
+    from fastmtp_sglang.core.errors import FastMTPError
+    from fastmtp_sglang.serving.sglang_launch import VOCAB_ENV, build_launch_command
 
     def env_of(vocab):
         return build_launch_command("T", drafts["tables"], 3, 30000, "127.0.0.1", [], vocab=vocab)[1]

@@ -31,9 +31,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from fastmtp_sglang.draft_dir import load_draft_dir, load_head, make_draft_config, save_draft_dir  # noqa: E402
-from fastmtp_sglang.errors import DraftFormatError, FastMTPError  # noqa: E402
-from fastmtp_sglang.head import FastMTPHead, HeadConfig  # noqa: E402
+from fastmtp_sglang.core.draft_dir import load_draft_dir, load_head, make_draft_config, save_draft_dir  # noqa: E402
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError  # noqa: E402
+from fastmtp_sglang.core.head import FastMTPHead, HeadConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -437,7 +437,7 @@ def server_parser(sgl):
 @pytest.mark.parametrize("steps, extra", [(3, []), (1, ["--mem-fraction-static", "0.7"]),
                                           (5, ["--speculative-token-map", "hot.pt"]), (0, [])])
 def test_launch_flags_exist_in_server_args(server_parser, drafts, steps, extra):
-    from fastmtp_sglang.sglang_launch import build_launch_command, format_command
+    from fastmtp_sglang.serving.sglang_launch import build_launch_command, format_command
 
     draft = drafts["llama", "deepseek"]
     argv, env = build_launch_command("/models/target", draft, steps, 30001, "127.0.0.1", extra)
@@ -466,14 +466,14 @@ def test_launch_flags_exist_in_server_args(server_parser, drafts, steps, extra):
     (["--enable-multi-layer-eagle"], "one head"),
 ])
 def test_launch_refuses_conflicting_flags(drafts, extra, message):
-    from fastmtp_sglang.sglang_launch import build_launch_command
+    from fastmtp_sglang.serving.sglang_launch import build_launch_command
 
     with pytest.raises(FastMTPError, match=message):
         build_launch_command("T", drafts["llama", "mimo"], 3, 30000, "127.0.0.1", extra)
 
 
 def test_launch_needs_a_draft_directory(tmp_path):
-    from fastmtp_sglang.sglang_launch import build_launch_command
+    from fastmtp_sglang.serving.sglang_launch import build_launch_command
 
     with pytest.raises(FastMTPError, match="--draft"):
         build_launch_command("T", None, 3, 30000, "127.0.0.1", [])

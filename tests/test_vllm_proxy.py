@@ -1,7 +1,7 @@
-"""The SGLang-API adapter for vLLM servers (fastmtp_sglang.vllm_proxy): pure, no vLLM needed.
+"""The SGLang-API adapter for vLLM servers (fastmtp_sglang.serving.vllm_proxy): pure, no vLLM needed.
 
 A fake vLLM (OpenAI /v1/completions + Prometheus /metrics) on loopback stands in for the server;
-the real one is exercised by bench/vllm_serve_bench.sh.
+the real one is exercised by bench/pipelines/vllm_serve_bench.sh.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fastmtp_sglang import client
-from fastmtp_sglang.vllm_proxy import VLLMAdapter, accept_hist, parse_spec_metrics, serve
+from fastmtp_sglang.serving import client
+from fastmtp_sglang.serving.vllm_proxy import VLLMAdapter, accept_hist, parse_spec_metrics, serve
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter

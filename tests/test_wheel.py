@@ -106,7 +106,9 @@ import json
 from pathlib import Path
 
 import fastmtp_sglang, fastmtp_sglang.kernels
-from fastmtp_sglang import bench_data, demo, vocab
+from fastmtp_sglang.benchmark import data as bench_data
+from fastmtp_sglang.cli import demo
+from fastmtp_sglang.vocab import tables as vocab
 
 head = demo.shipped_head()
 draft, what = demo.demo_draft(Path("no-target-needed"), Path("no-cache-needed"))
@@ -157,7 +159,7 @@ def test_installed_wheel_finds_its_own_data(wheel):
     assert got["head_table_names"] == ["en-16384", "zh-4096"]
     assert [Path(p).name for p in got["train_prompts"]] == sorted(
         p.name for p in (src / "fastmtp_sglang" / "data" / "train_prompts").glob("*.jsonl"))
-    printed = subprocess.run([sys.executable, "-m", "fastmtp_sglang.bench_data", "spec_bench.jsonl"], cwd=tmp,
+    printed = subprocess.run([sys.executable, "-m", "fastmtp_sglang.benchmark.data", "spec_bench.jsonl"], cwd=tmp,
                              env=env, capture_output=True, text=True, timeout=300)
     assert printed.returncode == 0 and installed(printed.stdout.strip()), printed.stdout + printed.stderr
     # the console script of the wheel runs the installed copy too
@@ -168,8 +170,8 @@ def test_installed_wheel_finds_its_own_data(wheel):
 
 
 def test_bench_data_in_a_checkout():
-    from fastmtp_sglang import bench_data
-    from fastmtp_sglang.errors import FastMTPError
+    from fastmtp_sglang.benchmark import data as bench_data
+    from fastmtp_sglang.core.errors import FastMTPError
 
     assert bench_data.bench_data_path("spec_bench.jsonl") == REPO / "bench" / "data" / "spec_bench.jsonl"
     assert bench_data.train_prompts_dir() == REPO / "fastmtp_sglang" / "data" / "train_prompts"

@@ -11,7 +11,7 @@ and CUDA graphs see what they always see; the ``[V, H]`` matmul is not done.
 Which table a row uses is device state, per request slot (``forward_batch.req_pool_indices``):
 
 - EXTEND (the draft extend after each prefill chunk sees the prompt's tokens): per-token script
-  classes (``fastmtp_sglang.vocab.script_counts``) are summed per request and added to the
+  classes (``fastmtp_sglang.vocab.tables.script_counts``) are summed per request and added to the
   slot's running counts; the slot's table is re-picked from them
   (``table_index_from_counts``: zh when CJK tokens pass the threshold, else the default). A slot
   starts over when the request is new: prefix length 0, or a request id that differs from the
@@ -42,9 +42,9 @@ from typing import Any, Optional
 
 import torch
 
-from fastmtp_sglang.errors import DraftFormatError, FastMTPError
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
-from fastmtp_sglang.vocab import (
+from fastmtp_sglang.vocab.tables import (
     DEFAULT_CJK_THRESHOLD,
     NUM_SCRIPTS,
     TableSet,
@@ -416,7 +416,7 @@ def build_projection(
     """
     tables = TableSet.from_paths(list(refs), tokenizer, base_dir=base_dir)
     if script_classes is None and tokenizer is not None and len(tables) > 1:
-        from fastmtp_sglang.vocab import token_script_classes
+        from fastmtp_sglang.vocab.tables import token_script_classes
 
         script_classes = token_script_classes(tokenizer)
     return CompressedProjection(tables, lm_head, script_classes=script_classes, **kwargs)
@@ -459,7 +459,7 @@ def projection_for_draft(config: Any, lm_head: torch.nn.Module, *, tokenizer: An
         if tok is None:
             raise FastMTPError(f"{VOCAB_ENV}=auto: the draft lists no vocab tables and the target's "
                                "tokenizer is not available to pick shipped ones")
-        from fastmtp_sglang.vocab import shipped_tables
+        from fastmtp_sglang.vocab.tables import shipped_tables
 
         best: dict[str, tuple[int, str]] = {}
         for p in shipped_tables(tok):

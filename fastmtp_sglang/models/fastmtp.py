@@ -18,7 +18,7 @@ Registration: ``SGLANG_EXTERNAL_MODEL_PACKAGE=fastmtp_sglang.models`` (this modu
 ``EntryClass``), or the ``sglang.srt.plugins`` entry point :func:`register_with_sglang`.
 
 Weights come from a draft directory (docs/design.md section 4): exactly the tensors of
-``fastmtp_sglang.head.FastMTPHead.state_dict()``; embedding and lm_head come from the target
+``fastmtp_sglang.core.head.FastMTPHead.state_dict()``; embedding and lm_head come from the target
 through :meth:`FastMTPForCausalLM.set_embed_and_head`.
 
 Compressed vocabulary: when the draft directory lists vocab tables (``fastmtp.vocab_tables``),
@@ -60,9 +60,9 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
 from sglang.srt.utils.hf_transformers import get_rope_config
 
-from fastmtp_sglang.errors import DraftFormatError
-from fastmtp_sglang.draft_dir import check_tensors, expected_shapes
-from fastmtp_sglang.head import HeadConfig
+from fastmtp_sglang.core.errors import DraftFormatError
+from fastmtp_sglang.core.draft_dir import check_tensors, expected_shapes
+from fastmtp_sglang.core.head import HeadConfig
 from fastmtp_sglang.models.compressed_projection import projection_for_draft
 
 logger = logging.getLogger(__name__)

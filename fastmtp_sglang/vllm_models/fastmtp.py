@@ -9,7 +9,7 @@ One draft step (docs/design.md section 1.1), on vLLM's own layers::
     logits = lm_head(g_i)                         # the target's lm_head, shared
 
 How vLLM runs it (vllm 0.32, ``speculative_config={"method": "eagle", "model": DRAFT_DIR,
-"num_speculative_tokens": K}``; ``fastmtp_sglang.vllm_launch`` builds it):
+"num_speculative_tokens": K}``; ``fastmtp_sglang.serving.vllm_launch`` builds it):
 
 - ``SpeculativeConfig`` wraps the draft's HF config in an ``EAGLEConfig``, which renames the
   architecture ``FastMTPForCausalLM`` to ``EagleFastMTPForCausalLM``; both names are registered
@@ -64,9 +64,9 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
-from fastmtp_sglang.draft_dir import check_tensors, expected_shapes
-from fastmtp_sglang.errors import DraftFormatError, FastMTPError
-from fastmtp_sglang.head import HeadConfig
+from fastmtp_sglang.core.draft_dir import check_tensors, expected_shapes
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
+from fastmtp_sglang.core.head import HeadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ def resolve_vocab_table(draft_path: str | os.PathLike | None, draft_config: dict
         raise FastMTPError(
             f"{VOCAB_ENV}={spec!r}: vLLM can draft over one global table, not per-request tables "
             "(its compute_logits sees no request); give exactly one table, or `full`")
-    from fastmtp_sglang.vocab import load_table, resolve_table_ref
+    from fastmtp_sglang.vocab.tables import load_table, resolve_table_ref
 
     base = Path(draft_path) if draft_path and Path(draft_path).is_dir() else None
     table = load_table(resolve_table_ref(refs[0], base_dir=base))

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The demo head (issue 11): the ablation's recipe (bench/pipelines/ablation.sh, bench/results/ablation/) on
+# as much of the self-distilled data as POINTS asks, as points of one learning curve, so the head
+# that ships is also the curve's last point.
+#
+#   POINTS=940000 bash bench/pipelines/head_demo.sh [PIPELINE_DIR] [OUT]
+#   ARMS="fastmtp vanilla" LOSS=kl LR=1e-3 POINTS=400000,1000000 bash bench/pipelines/head_demo.sh
+#
+# Layout as bench/pipelines/curve_demo.sh and bench/pipelines/ablation.sh: the first 200 rows of distill.jsonl are
+# the held-out rows, the training prefixes start after them, so the points here continue the
+# ablation's 120K-token point on the same held-out text. The draft table (en-16384) is built from
+# the target's own responses in the training rows (never the held-out rows or evaluation files);
+# the feature cache stores the target's top-32 log-probabilities for the KL loss. Every step
+# resumes: rerun the same command after a stop.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W=${1:-runs/demo-pipeline-v2}
+OUT=${2:-$W/head}
+POINTS=${POINTS:-940000}   # ~947K usable response tokens after the held-out rows
+ARMS=${ARMS:-fastmtp}
+LOSS=${LOSS:-kl}
+LR=${LR:-1e-3}
+EPOCHS=${EPOCHS:-2}
+SIZE=${SIZE:-16384}
+HELD=200
+source bench/pipelines/demo_env.sh
+mkdir -p "$OUT"
+max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
+[[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD"
+TABLE=$OUT/table/en-$SIZE.pt
+if [[ ! -f $TABLE ]]; then
+    "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
+    "$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size "$SIZE" \
+        --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
+fi
+"$BIN/fastmtp" features --target "$T" --data "$OUT/data.jsonl" --out "$OUT/features" \
+    --max-len 512 --topk 32 --dtype bfloat16
+case $LOSS in
+    ce) loss=(--loss ce) ;;
+    kl) loss=(--loss kl --kl-topk 32) ;;
+    ce+kl) loss=(--loss ce+kl --kl-topk 32) ;;
+    *) echo "LOSS is ce, kl or ce+kl" >&2; exit 1 ;;
+esac
+arms=()
+for a in $ARMS; do
+    case $a in
+        fastmtp) arms+=(--arm "fastmtp=${loss[*]}") ;;
+        vanilla) arms+=(--arm "vanilla=${loss[*]} --vanilla") ;;
+        *) echo "ARMS holds fastmtp and/or vanilla" >&2; exit 1 ;;
+    esac
+done
+"$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$OUT/data.jsonl" --out "$OUT" \
+    --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
+    --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
+    -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16 \
+       --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --save-every 200 --vocab "$TABLE"
+mkdir -p bench/results/head_demo
+cp "$OUT/curve.json" "$OUT/curve.md" bench/results/head_demo/
+[[ -f $OUT/curve.png ]] && cp "$OUT/curve.png" bench/results/head_demo/
+echo "results in bench/results/head_demo/; heads in $OUT/<arm>/<tokens>/"

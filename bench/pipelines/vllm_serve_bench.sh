@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `fastmtp bench --url` against vLLM's OpenAI-compatible server (CPU), through the SGLang-API
+# adapter (fastmtp_sglang/serving/vllm_proxy.py): two `vllm serve` processes (K=0 and K), one adapter each.
+#
+#   bench/pipelines/vllm_serve_bench.sh [OUT] [K]      # default OUT bench/results/vllm_cpu/serve_bench, K 3
+#
+# Environment: PYTHON (default ../vllm-venv/bin/python), DTYPE (default float32), TARGET (default:
+# the demo target, materialised if needed), DRAFT (default the shipped head), LIMIT (prompts per
+# Spec-Bench category, default 1), TOKENS (default 64), REPEATS (default 1).
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$REPO"
+OUT=${1:-bench/results/vllm_cpu/serve_bench}
+K=${2:-3}
+PYTHON=${PYTHON:-$REPO/../vllm-venv/bin/python}
+DTYPE=${DTYPE:-float32}
+DRAFT=${DRAFT:-$REPO/fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3}
+LIMIT=${LIMIT:-1}
+TOKENS=${TOKENS:-64}
+export HF_HUB_OFFLINE=1
+TARGET=${TARGET:-$("$PYTHON" -c 'from fastmtp_sglang.core.demo_target import materialize_smollm2 as m; print(m(progress=False))')}
+LOGS=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+serve() {  # K vLLM-port adapter-port: the README's command, then an adapter in front
+    local draft=()
+    [[ $1 -gt 0 ]] && draft=(--draft "$DRAFT")
+    "$PYTHON" -m fastmtp_sglang serve --engine vllm --target "$TARGET" "${draft[@]}" \
+        --steps "$1" --port "$2" --dtype "$DTYPE" -- --enforce-eager --max-model-len 2048 \
+        > "$LOGS/vllm-k$1.log" 2>&1 &
+    pids+=($!)
+    "$PYTHON" -m fastmtp_sglang.serving.vllm_proxy --vllm "http://127.0.0.1:$2" --steps "$1" \
+        --draft "$DRAFT" --port "$3" > "$LOGS/proxy-k$1.log" 2>&1 &
+    pids+=($!)
+}
+# one server at a time: two engine cores starting together on 2 cores take twice as long each
+serve 0 8100 30100
+"$PYTHON" -c "from fastmtp_sglang.serving.client import wait_for_health as w; w('http://127.0.0.1:30100', 900)"
+serve "$K" 810"$K" 3010"$K"
+"$PYTHON" -c "from fastmtp_sglang.serving.client import wait_for_health as w; w('http://127.0.0.1:3010$K', 900)"
+"$PYTHON" -m fastmtp_sglang bench --url http://127.0.0.1:30100 --url "http://127.0.0.1:3010$K" \
+    --steps "0,$K" --target "$TARGET" --prompts bench/data/spec_bench.jsonl \
+    --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --temperature 0 --out "$OUT" \
+    --repeats "${REPEATS:-1}" \
+    --label "vLLM $DTYPE (CPU) via the SGLang-API adapter, K=0 vs K=$K"
+echo "vLLM logs: $LOGS"

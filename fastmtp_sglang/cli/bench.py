@@ -1,0 +1,187 @@
+"""`fastmtp bench`: tau, acceptance and speedup across K, in-process or against servers.
+
+  fastmtp bench --engine reference --target T --draft D --steps 0,1,2,3 \\
+      --prompts bench/data/spec_bench.jsonl --limit-per-category 2 --out R/
+  fastmtp bench --url http://127.0.0.1:30000 --url http://127.0.0.1:30001 --target T \\
+      --prompts bench/data/spec_bench.jsonl --out R/
+
+bench/data/*.jsonl also ships in the wheel: --prompts "$(python -m fastmtp_sglang.benchmark.data spec_bench.jsonl)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from fastmtp_sglang.core.errors import FastMTPError
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        steps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FastMTPError(f"--steps takes comma-separated integers like 0,1,2,3; got {text!r}") from None
+    if not steps or min(steps) < 0:
+        raise FastMTPError(f"--steps needs integers >= 0; got {text!r}")
+    return steps
+
+
+def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
+    """(id, category, text, ids) with the chat template applied (the server applies none)."""
+    from fastmtp_sglang.core.prompts import load_prompts, render_chat
+
+    out = []
+    for p in load_prompts(paths, limit_per_category=limit, categories=categories):
+        text = render_chat(tokenizer, p.text) if chat else p.text
+        ids = tokenizer(text, add_special_tokens=not chat).input_ids
+        out.append((p.id, p.category, text, ids))
+    if not out:
+        raise FastMTPError("no prompts to run")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastmtp_sglang.benchmark.sweep import run_in_process, run_urls, summarize, write_results
+
+    cfg = config_from_args(args)
+    meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "config": cfg.__dict__, "target": args.target, "draft": args.draft,
+            "label": args.label or default_label(args, cfg)}
+    if args.url and cfg.ngram_steps:
+        raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url (or run "
+                           "prompt lookup on the server side)")
+    if args.url:
+        from transformers import AutoTokenizer
+
+        from fastmtp_sglang.serving.client import server_info
+
+        urls: dict[int, str] = {}
+        drafts: dict[int, str] = {}
+        for u in args.url:
+            info = server_info(u)
+            k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
+            if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
+                k = 0
+            if k in urls:
+                raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
+            urls[k] = u
+            drafts[k] = str(info.get("speculative_draft_model_path") or info.get("draft_model_path")
+                            or "none")
+        missing = [k for k in cfg.steps if k not in urls]
+        if missing:
+            raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
+                               "one server per K (K=0 is a server without speculation)")
+        if not args.target:
+            raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
+        tok = AutoTokenizer.from_pretrained(args.target)
+        prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
+        samples = run_urls(urls, [(i, c, t) for i, c, t, _ in prompts], cfg, not args.no_progress)
+        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items()))
+                    + " (servers report no draft/verify time split)",
+                    draft=args.draft or "; ".join(f"K={k}: {d}" for k, d in sorted(drafts.items()) if k))
+    else:
+        from fastmtp_sglang.core.draft_dir import load_head
+        from fastmtp_sglang.core.target import load_target, require_fits
+
+        if not args.target:
+            raise FastMTPError("--engine reference needs --target")
+        target = load_target(args.target, dtype=args.dtype)
+        head = None
+        if max(cfg.steps) > 0:
+            if not args.draft:
+                raise FastMTPError("K > 0 needs --draft")
+            head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
+            require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
+        prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
+                                  args.category, not args.raw)
+        from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+
+        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
+        samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
+                                 not args.no_progress, draft_vocab=vocab)
+        vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
+        meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1, {vdesc}",
+                    vocab=None if vocab is None else vocab.tables.names, dtype=args.dtype)
+    meta["prompts"] = len(prompts)
+    results = summarize(samples, cfg)
+    write_results(Path(args.out), results, meta, samples)
+    from fastmtp_sglang.benchmark.sweep import markdown
+
+    print(markdown(results, meta))
+    print(f"wrote {args.out}/results.json, results.md, results.png")
+    # a contaminated run is written (its acceptance numbers stand); the report says why its
+    # speedups are withheld, and so does results.json (timing_check)
+    return 0
+
+
+def config_from_args(args: argparse.Namespace):
+    from fastmtp_sglang.benchmark.sweep import BenchConfig
+
+    try:
+        return BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature,
+                           args.top_p, args.top_k, args.repeats, args.seed,
+                           warmup=not args.no_warmup, max_spread=args.max_spread,
+                           ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
+    except ValueError as exc:
+        raise FastMTPError(str(exc)) from None
+
+
+def default_label(args: argparse.Namespace, cfg) -> str:
+    """A title a reader understands: what was run, not the output folder's name."""
+    target = Path(args.target).name if args.target else "server"
+    draft = Path(args.draft.rstrip("/")).name if args.draft else ("servers" if args.url else "no draft")
+    ks = ",".join(str(k) for k in cfg.steps)
+    return f"{target} + {draft}: K={ks}, {'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", default="0,1,2,3,4", help="comma-separated K values (K=0 is always "
+                   "added: it is the baseline; default 0,1,2,3,4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=-1, help="top-k (default -1 = off)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the prompt set; tokens/s is "
+                   "the median (default 3; with 1 the run-to-run check cannot run)")
+    p.add_argument("--ngram-steps", default="", help="also run prompt lookup (n-gram drafting, "
+                   "the model-free peer) at these K, comma-separated, in the same run and table "
+                   "(in-process only; default none)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of one "
+                   "prompt at every K (timings then include first-call costs: not for publishing)")
+    p.add_argument("--max-spread", type=float, default=0.15, help="timing guard: largest allowed "
+                   "(max - min) / median of one K's tokens/s over repeats before the run is called "
+                   "contaminated (default 0.15)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                   help="in-process target dtype (default bfloat16)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--vocab", default=None, help="draft vocabulary (in-process): default the "
+                   "draft's own tables if it lists any, else full; full; "
+                   "auto (shipped tables for the target's tokenizer, one per language, picked per "
+                   "request), or comma-separated table files / builtin:<tokenizer>/<lang>-<N>")
+    p.add_argument("--vocab-extra", choices=("none", "prompt"), default="none",
+                   help="add each request's prompt tokens to its draft table (default none)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tau, acceptance and speedup across K",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", action="append", default=[], help="server URL, repeated: one "
+                   "server per K, K=0 (a server without speculation) included; each server's K is "
+                   "read from its /server_info. Omit for in-process")
+    p.add_argument("--engine", choices=("reference",), default="reference",
+                   help="in-process engine when no --url is given")
+    p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")
+    p.add_argument("--draft", help="draft directory (in-process)")
+    p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Spec-Bench, C-Eval, "
+                   "{id, prompt} JSONL; the shipped ones: python -m fastmtp_sglang.benchmark.data)")
+    p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    p.add_argument("--category", action="append", default=None, help="only this category (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send prompts as they are, no chat template")
+    p.add_argument("--out", required=True, help="output directory for results.json/.md/.png")
+    p.add_argument("--label", default=None, help="title for the report (default: target + draft, "
+                   "K values, decoding mode)")
+    add_common(p)
+    p.set_defaults(func=run)

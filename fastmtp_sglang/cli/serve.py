@@ -1,0 +1,254 @@
+"""`fastmtp serve`: serve a target with a FastMTP draft head, on SGLang (GPU) or the reference
+engine (CPU, or anywhere: the oracle).
+
+    fastmtp serve --engine reference --target T --draft D --steps 3 --port 30000
+    fastmtp serve --engine sglang --target T --draft D --steps 3 -- --mem-fraction-static 0.8
+
+``--engine auto`` (the default) picks SGLang when CUDA is available and ``import sglang`` works,
+and the reference engine otherwise, and says which and why. Arguments after ``--`` go to
+SGLang's launcher unchanged (the reference engine refuses them).
+
+The reference server speaks SGLang's native API (POST /generate, POST /abort_request, GET
+/health, /server_info, /get_model_info; see fastmtp_sglang.serving.server) on FastAPI + uvicorn, SGLang's
+own HTTP stack, and batches concurrent requests: up to ``--max-batch`` waiting requests run as one
+engine batch. It applies no chat template, and samples at temperature 1.0 when a request gives
+none, as SGLang does. It is meant to sit behind a load balancer: at most ``--max-queue`` requests
+wait (more get 503 + Retry-After), bodies over ``--max-body-mb`` get 413 before they are read, a
+client that disconnects aborts its request, and SIGTERM / Ctrl-C stops accepting, gives requests
+in flight ``--shutdown-timeout`` seconds, aborts the rest with a final answer and exits 0.
+
+A draft whose recorded base model (config or tokenizer hash, see `fastmtp inspect --target`)
+is not this target is refused; ``--allow-base-mismatch`` serves it anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+from typing import NoReturn
+
+from fastmtp_sglang.core.errors import FastMTPError
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pick_engine(requested: str) -> tuple[str, str]:
+    """(engine, reason). ``auto``: sglang when CUDA is available and sglang imports."""
+    if requested != "auto":
+        return requested, "asked for with --engine"
+    if not cuda_available():
+        return "reference", "no CUDA device (SGLang serves on GPU only)"
+    try:
+        importlib.import_module("sglang")
+    except Exception as exc:  # ImportError, or a broken install failing inside its import
+        return "reference", f"CUDA is available but `import sglang` failed ({type(exc).__name__}: {exc})"
+    return "sglang", "CUDA is available and sglang imports"
+
+
+def _extra_args(rest: list[str]) -> list[str]:
+    if rest and rest[0] == "--":
+        return rest[1:]
+    if rest:
+        raise FastMTPError(f"unexpected arguments {rest}; put SGLang arguments after `--`")
+    return []
+
+
+def check_sglang_can_run() -> None:
+    """Raise FastMTPError (one line) when SGLang cannot serve here: no CUDA device, or no
+    importable sglang. Checked before anything starts (else: ~40 lines of SGLang traceback)."""
+    if not cuda_available():
+        raise FastMTPError("--engine sglang needs a CUDA device and this machine has none "
+                           "(torch.cuda.is_available() is False); serve on CPU with "
+                           "--engine reference")
+    try:
+        importlib.import_module("sglang")
+    except Exception as exc:  # ImportError, or a broken install failing inside its import
+        raise FastMTPError(f"--engine sglang: `import sglang` failed ({type(exc).__name__}: "
+                           f"{exc}); install fastmtp-sglang[sglang], or use --engine reference"
+                           ) from None
+
+
+def run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
+    """Launch SGLang's server with our draft head; returns its exit code."""
+    check_sglang_can_run()
+    try:
+        from fastmtp_sglang.serving import sglang_launch
+    except ModuleNotFoundError as exc:
+        if exc.name != "fastmtp_sglang.serving.sglang_launch":
+            raise
+        raise FastMTPError("this installation has no SGLang launcher (fastmtp_sglang.serving.sglang_launch); "
+                           "use --engine reference") from None
+    cmd, env = sglang_launch.build_launch_command(args.target, args.draft, args.steps, args.port,
+                                                  args.host, extra, vocab=args.vocab)
+    print("fastmtp serve: " + sglang_launch.format_command(cmd, env), flush=True)
+    print(f"fastmtp serve: SGLang will listen on http://{args.host}:{args.port}", flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+
+def build_reference_server(args: argparse.Namespace):
+    """Load target + head, check they fit, and build (not start) the ReferenceServer."""
+    from fastmtp_sglang.core.draft_dir import load_head, read_config
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.core.target import load_target, parse_dtype, require_fits
+
+    if args.steps < 0:
+        raise FastMTPError(f"--steps must be >= 0, got {args.steps}")
+    if args.max_batch < 1:
+        raise FastMTPError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.batch_window_ms < 0:
+        raise FastMTPError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
+    if args.max_context is not None and args.max_context < 2:
+        raise FastMTPError(f"--max-context must be >= 2 tokens, got {args.max_context}")
+    for flag, value, low in (("--max-queue", args.max_queue, 1),
+                             ("--max-body-mb", args.max_body_mb, 0.001),
+                             ("--read-timeout", args.read_timeout, 0.001),
+                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        if not value >= low:
+            raise FastMTPError(f"{flag} must be >= {low:g}, got {value}")
+    if args.draft is None and args.steps > 0:
+        raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
+    dtype = parse_dtype(args.dtype)
+    target = load_target(args.target, dtype, args.device)
+    head = None
+    if args.draft is not None:
+        foreign = require_fits(read_config(args.draft), target.config, target.tokenizer,
+                               where=f"draft {args.draft}",
+                               allow_base_mismatch=args.allow_base_mismatch)
+        if foreign:
+            print(f"fastmtp serve: warning: draft {args.draft} was made for another target "
+                  f"({'; '.join(foreign)}); serving it anyway (--allow-base-mismatch)", flush=True)
+        head = load_head(args.draft, target.embed, target.lm_head, dtype=dtype, device=args.device)
+    vocab = None
+    if head is not None:
+        from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+
+        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", args.draft)
+        if vocab is not None:
+            print(f"fastmtp serve: draft vocabulary {', '.join(vocab.tables.names)}, picked per "
+                  "request from the prompt's script", flush=True)
+    engine = ReferenceEngine(target, head, args.steps, args.max_context, draft_vocab=vocab)
+    try:
+        return ReferenceServer(engine, args.host, args.port, model_path=str(args.target),
+                               draft_path=None if args.draft is None else str(args.draft),
+                               max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000,
+                               log_requests=args.log_requests, max_queue=args.max_queue,
+                               max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                               read_timeout_s=args.read_timeout,
+                               shutdown_timeout_s=args.shutdown_timeout)
+    except OSError as exc:
+        raise FastMTPError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
+                           "pick another --port (0 = any free port)") from None
+
+
+def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
+    """Serve until SIGTERM / SIGINT, then exit the process with 0 (does not return)."""
+    if extra:
+        raise FastMTPError(f"the reference engine takes no SGLang arguments, got {extra}")
+    server = build_reference_server(args)
+    eng = server.engine
+    print(f"fastmtp serve: reference engine, target {args.target}, "
+          + (f"draft {args.draft}, K={eng.steps}" if eng.steps else "no drafts (K=0)")
+          + f", {args.dtype} on {args.device}, context {eng.max_context}, "
+          f"max batch {server.max_batch}", flush=True)
+    print(f"fastmtp serve: listening on {server.url} (Ctrl-C or SIGTERM to stop)", flush=True)
+    stopped = server.serve_forever()
+    info = server.server_info()
+    print(f"fastmtp serve: stopped: {info['requests_served']} served, {info['requests_failed']} "
+          f"refused or failed, {info['requests_aborted']} aborted", flush=True)
+    if not stopped:
+        print("fastmtp serve: the engine worker is still busy; exiting without waiting for it",
+              file=sys.stderr, flush=True)
+    # Every client has its answer and the log is flushed: skip the interpreter's teardown of
+    # torch and transformers (2-7 s on a busy 2-core machine, measured) and, if the engine is
+    # still inside a long forward pass, that too (a daemon thread in torch at teardown is what
+    # used to end Ctrl-C with SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run(args: argparse.Namespace) -> int:
+    extra = _extra_args(args.sglang_args)
+    engine, why = pick_engine(args.engine)
+    if args.engine == "auto":
+        print(f"fastmtp serve: engine {engine}: {why}", flush=True)
+    if engine == "sglang":
+        return run_sglang(args, extra)
+    if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
+        from fastmtp_sglang.serving.vllm_launch import run_vllm
+
+        return run_vllm(args, extra)
+    return run_reference(args, extra)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a target with a draft head (SGLang, or the reference "
+                       "engine on CPU)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("auto", "reference", "sglang", "vllm"), default="auto",
+                   help="auto (default): sglang when CUDA is available and sglang imports, "
+                        "else reference; vllm: `vllm serve` with the draft as its EAGLE "
+                        "speculative model (docs/vllm_backend.md; --dtype applies, arguments "
+                        "after `--` go to vllm serve)")
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face format)")
+    p.add_argument("--draft", default=None,
+                   help="draft directory (FastMTP head); optional only with --steps 0")
+    p.add_argument("--steps", type=int, default=3,
+                   help="K, tokens drafted per verification (default 3); 0 = plain decoding")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000,
+                   help="port (default 30000, SGLang's); reference engine: 0 = any free port")
+    p.add_argument("--vocab", default=None,
+                   help="draft vocabulary, picked per request from the prompt's script: "
+                        "default the draft's own tables if it lists any, else full; full; auto "
+                        "(the draft's tables, else the shipped ones for the target's tokenizer); "
+                        "or table files. SGLang's global --speculative-token-map can go after `--`")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="reference engine: weights dtype (default float32, where greedy output "
+                        "is exactly the target's)")
+    p.add_argument("--device", default="cpu", help="reference engine: torch device (default cpu)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="reference engine: most requests run as one batch (default 8)")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="reference engine: after a batch's first request, wait this many ms for "
+                        "more before running it (default 0 = run at once)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="reference engine: tokens a request may use, prompt + output (default: "
+                        "the target's max_position_embeddings)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="reference engine: print one line per finished request to stderr")
+    p.add_argument("--max-queue", type=int, default=128,
+                   help="reference engine: requests that may wait for a batch; more get 503 with "
+                        "Retry-After (default 128)")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="reference engine: largest request body in MiB; larger ones get 413 "
+                        "before they are read (default 8)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="reference engine: seconds a request's headers and body may take to "
+                        "arrive (default 30)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="reference engine: on SIGTERM / Ctrl-C, seconds requests in flight get to "
+                        "finish before they are aborted (default 30)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="serve a draft whose recorded base model (config / tokenizer hash) is "
+                        "not this target's")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER,
+                   help="after `--`: arguments passed to SGLang's launcher unchanged")
+    p.set_defaults(func=_run)

@@ -1,0 +1,225 @@
+"""`fastmtp convert`: extract the MTP layer of a base checkpoint into a draft directory, or change
+a draft directory's layout. Layout changes are exact: they only move columns of one matrix.
+
+Source naming (``--format``):
+  mimo      model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, input_layernorm,
+            self_attn.*, post_attention_layernorm, mlp.*, final_layernorm}; input_proj sees
+            cat[hidden, embed]
+  deepseek  model.layers.{num_hidden_layers + i}.{enorm, hnorm, eh_proj, ..., shared_head.norm};
+            eh_proj sees cat[embed, hidden]
+  split     as deepseek, with e_proj and h_proj (two H x H matrices) in place of eh_proj
+  draft     a draft directory (auto-detected)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastmtp_sglang.core.checkpoint import CheckpointReader
+from fastmtp_sglang.core.draft_dir import (
+    check_output, check_tensors, expected_shapes, load_draft_dir, make_draft_config,
+    save_draft_dir,
+)
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
+from fastmtp_sglang.core.head import LAYOUTS, HeadConfig
+from fastmtp_sglang.core.identity import target_identity
+
+FORMATS = ("mimo", "deepseek", "split", "draft")
+
+_BLOCK = [
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias", "self_attn.o_proj.bias",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
+]
+_OWN = {
+    "mimo": {"token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
+             "input_proj.weight": "input_proj.weight", "final_layernorm.weight": "final_norm.weight"},
+    "deepseek": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+                 "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "final_norm.weight"},
+    "split": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+              "e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight",
+              "shared_head.norm.weight": "final_norm.weight"},
+}
+# the target's own tensors that some checkpoints repeat under the MTP prefix: never stored twice
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight", "lm_head.weight")
+
+
+def source_prefix(fmt: str, config: dict[str, Any], mtp_index: int) -> str:
+    if fmt == "mimo":
+        return f"model.mtp_layers.{mtp_index}."
+    return f"model.layers.{int(config['num_hidden_layers']) + mtp_index}."
+
+
+def source_name_map(fmt: str, prefix: str) -> dict[str, str]:
+    """Checkpoint name -> draft-directory name, for every tensor the head may have."""
+    m = {prefix + k: v for k, v in _OWN[fmt].items()}
+    m.update({prefix + k: "layer." + k for k in _BLOCK})
+    return m
+
+
+def _guess_format(keys: list[str], config: dict[str, Any]) -> str | None:
+    if any(k.startswith("model.mtp_layers.") for k in keys):
+        return "mimo"
+    n = config.get("num_hidden_layers")
+    if n is not None:
+        pre = f"model.layers.{n}."
+        if any(k.startswith(pre + "e_proj") for k in keys):
+            return "split"
+        if any(k.startswith(pre) for k in keys):
+            return "deepseek"
+    return None
+
+
+def split_projection(sd: dict[str, torch.Tensor], layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_e, W_h): the columns of the input projection that see the embedding / the hidden."""
+    if layout == "mimo":
+        w = sd["input_proj.weight"]
+        h = w.shape[1] // 2
+        return w[:, h:], w[:, :h]
+    if layout == "deepseek":
+        w = sd["eh_proj.weight"]
+        h = w.shape[1] // 2
+        return w[:, :h], w[:, h:]
+    return sd["e_proj.weight"], sd["h_proj.weight"]
+
+
+def change_layout(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """Exact layout change: columns move, no arithmetic touches a value."""
+    if src == dst:
+        return dict(sd)
+    we, wh = split_projection(sd, src)
+    out = {k: v for k, v in sd.items()
+           if k not in ("input_proj.weight", "eh_proj.weight", "e_proj.weight", "h_proj.weight")}
+    if dst == "mimo":
+        out["input_proj.weight"] = torch.cat([wh, we], dim=1).contiguous()
+    elif dst == "deepseek":
+        out["eh_proj.weight"] = torch.cat([we, wh], dim=1).contiguous()
+    else:
+        out["e_proj.weight"], out["h_proj.weight"] = we.contiguous(), wh.contiguous()
+    return out
+
+
+def _tokenizer_or_none(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # a checkpoint without tokenizer files is fine: identity just lacks its hash
+        return None
+
+
+def extract(src: str | Path, fmt: str, mtp_index: int = 0, model_type: str | None = None
+            ) -> tuple[dict[str, Any], dict[str, torch.Tensor], str, CheckpointReader]:
+    """Read the MTP layer of a base checkpoint -> (target config, head state dict, layout)."""
+    reader = CheckpointReader(src)
+    config = reader.config()
+    keys = reader.keys()
+    prefix = source_prefix(fmt, config, mtp_index)
+    under = [k for k in keys if k.startswith(prefix)]
+    if not under:
+        guess = _guess_format(keys, config)
+        hint = f" It looks like --format {guess}." if guess and guess != fmt else ""
+        raise DraftFormatError(
+            f"{src}: no tensors under {prefix!r}, where --format {fmt} keeps its MTP layer.{hint}")
+    names = source_name_map(fmt, prefix)
+    unknown = sorted(k for k in under if k not in names and k[len(prefix):] not in _SHARED)
+    if unknown:
+        guess = _guess_format(keys, config)  # deepseek and split share a prefix
+        hint = (f" It looks like --format {guess}." if guess and guess != fmt else
+                " (MoE / MLA MTP layers are served by SGLang's in-tree NextN classes, not FastMTP)")
+        raise DraftFormatError(
+            f"{src}: tensors under {prefix!r} that a dense {fmt} MTP layer does not have: "
+            f"{', '.join(unknown[:12])}{' ...' if len(unknown) > 12 else ''}.{hint}")
+    sd = {names[k]: reader.get(k) for k in under if k in names}
+    layout = fmt
+    return config, sd, layout, reader
+
+
+def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: str | None = None,
+            mtp_index: int = 0, model_type: str | None = None, dtype: str | None = None,
+            name: str | None = None, overwrite: bool = False) -> Path:
+    src, out = Path(src), Path(out)
+    if fmt is not None and fmt not in FORMATS:
+        raise FastMTPError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if layout is not None and layout not in LAYOUTS:
+        raise FastMTPError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_output(out, overwrite)  # before reading SRC: --overwrite replaces only a draft directory
+    is_draft = src.is_dir() and (src / "config.json").is_file() and '"fastmtp"' in (src / "config.json").read_text()
+    if is_draft:
+        if fmt not in (None, "draft"):
+            raise FastMTPError(f"{src} is a draft directory, not a {fmt} base checkpoint; "
+                               "drop --format (or pass --format draft) to change its layout")
+        d = load_draft_dir(src)
+        src_layout = d.head_config.layout
+        dst = layout or src_layout
+        sd = change_layout(d.state_dict, src_layout, dst)
+        meta = {k: v for k, v in d.meta.items()
+                if k not in ("format_version", "layout", "block", "concat_order")}
+        target_cfg = {k: v for k, v in d.config.items() if k != "fastmtp"}
+        cfg = make_draft_config(target_cfg, dst, block=d.head_config.block,
+                                dtype=dtype or d.config.get("torch_dtype"), extra=None)
+        cfg["fastmtp"].update(meta)
+        cfg["fastmtp"]["converted_from"] = {"path": str(src), "layout": src_layout}
+        return save_draft_dir(out, cfg, sd, overwrite=overwrite)
+    if fmt is None:
+        raise FastMTPError(f"{src} is not a draft directory: pass --format mimo, deepseek or split "
+                           "to say how its MTP layer is named")
+    if fmt == "draft":
+        raise FastMTPError(f"{src} is not a draft directory (no config.json with a 'fastmtp' block)")
+    target_cfg, sd, src_layout, reader = extract(src, fmt, mtp_index, model_type)
+    # fail before writing (and before moving columns) when the checkpoint's tensors do not fit
+    # its own config; name them as the checkpoint does
+    src_cfg = make_draft_config(target_cfg, src_layout, model_type=model_type)
+    to_src = {v: k for k, v in source_name_map(fmt, source_prefix(fmt, target_cfg, mtp_index)).items()}
+    check_tensors({to_src.get(k, k): s for k, s in expected_shapes(HeadConfig.from_dict(src_cfg)).items()},
+                  {to_src.get(k, k): tuple(v.shape) for k, v in sd.items()}, f"{src} ({fmt} MTP layer)")
+    dst = layout or src_layout
+    sd = change_layout(sd, src_layout, dst)
+    src_dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    tok = _tokenizer_or_none(reader.dir)
+    ident = target_identity(name or target_cfg.get("_name_or_path") or reader.dir.name, target_cfg, tok)
+    cfg = make_draft_config(target_cfg, dst, model_type=model_type, base_model=ident,
+                            dtype=dtype or src_dtype,
+                            extra={"converted_from": {"path": str(src), "format": fmt,
+                                                      "mtp_index": mtp_index}})
+    return save_draft_dir(out, cfg, sd, overwrite=overwrite)
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = convert(args.src, args.out, fmt=args.format, layout=args.layout, mtp_index=args.mtp_index,
+                  model_type=args.model_type, dtype=args.dtype, name=args.name,
+                  overwrite=args.overwrite)
+    print(f"wrote draft directory {out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="extract an MTP layer into a draft directory, or change a "
+                       "draft directory's layout", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="base checkpoint (directory or .safetensors file with config.json "
+                   "beside it; sharded checkpoints need model.safetensors.index.json) or a draft dir")
+    p.add_argument("out", help="output draft directory (must not exist unless --overwrite)")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="how SRC names its MTP layer (omit for a draft directory)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="layout to write (default: the source's); conversions are exact")
+    p.add_argument("--mtp-index", type=int, default=0, help="which MTP layer, for checkpoints "
+                   "with several (default 0)")
+    p.add_argument("--model-type", choices=("llama", "qwen2"), default=None,
+                   help="block family when the checkpoint's model_type is not llama/qwen2/mimo")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="storage dtype (default: the checkpoint's)")
+    p.add_argument("--name", default=None, help="base model name recorded in the draft's metadata")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (only a draft directory is ever replaced)")
+    p.set_defaults(func=_run)

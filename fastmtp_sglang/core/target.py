@@ -1,0 +1,144 @@
+"""Loading a target model (a transformers causal LM of the Llama / Qwen2 families) on CPU or GPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastmtp_sglang.core.errors import FastMTPError, MismatchError
+from fastmtp_sglang.core.identity import config_hash, tokenizer_hash
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise FastMTPError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+@dataclass
+class Target:
+    model: Any  # transformers PreTrainedModel (LlamaForCausalLM, Qwen2ForCausalLM, ...)
+    tokenizer: Any | None
+    config: dict[str, Any]
+    name: str
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def eos_ids(self) -> list[int]:
+        ids = self.config.get("eos_token_id")
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None and gen.eos_token_id is not None:
+            ids = gen.eos_token_id
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        return sorted({ids} if isinstance(ids, int) else set(ids or []))
+
+
+def read_target_config(path: str | Path) -> dict[str, Any]:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise FastMTPError(f"target {path} has no config.json: pass a Hugging Face model directory")
+    return json.loads(cfg.read_text())
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                tokenizer: bool = True) -> Target:
+    """Load a transformers causal LM and its tokenizer from a local directory (no downloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FastMTPError(f"target {path} is not a directory; pass a local Hugging Face model "
+                           "directory (this tool never downloads)")
+    cfg = read_target_config(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype),
+                                                     local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FastMTPError(f"cannot load target {path}: {exc}") from None
+    model.to(device).eval()
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
+        raise FastMTPError(f"target {path} ({type(model).__name__}) is not a Llama/Qwen2-family "
+                           "decoder (needs model.layers and model.norm)")
+    tok = None
+    if tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise FastMTPError(f"cannot load the tokenizer of {path}: {exc}") from None
+    return Target(model, tok, cfg, cfg.get("_name_or_path") or path.name)
+
+
+BASE_CHECKS = ("base config hash", "tokenizer hash")
+
+
+def check_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
+               tokenizer: Any | None = None) -> list[tuple[str, bool, str]]:
+    """Compare a draft's config with a target's: a list of (check, ok, detail)."""
+    if not isinstance(draft_config, dict):
+        raise MismatchError(f"a draft's config.json must hold a JSON object, got "
+                            f"{type(draft_config).__name__}")
+    rows = []
+    for key in ("hidden_size", "vocab_size"):
+        d, t = draft_config.get(key), target_config.get(key)
+        rows.append((key, d == t, f"draft {d}, target {t}"))
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        d, t = draft_config.get(key), target_config.get(key)
+        if t is None:
+            continue
+        # heads may differ by design (the head's own block), but a change is worth showing
+        rows.append((key, True, f"draft {d}, target {t}" + ("" if d == t else " (differs)")))
+    meta = draft_config.get("fastmtp")
+    base = meta.get("base_model") if isinstance(meta, dict) else None
+    base = base if isinstance(base, dict) else {}
+    if base.get("config_sha256"):
+        mine = config_hash(target_config)
+        same = base["config_sha256"] == mine
+        rows.append(("base config hash", same, f"draft made for {base.get('name')!r}" + (
+            "" if same else f" (config hash {base['config_sha256']}; this target's is {mine}: "
+                            "another architecture or size)")))
+    if tokenizer is not None and base.get("tokenizer_sha256"):
+        mine = tokenizer_hash(tokenizer)
+        same = base["tokenizer_sha256"] == mine
+        rows.append(("tokenizer hash", same, "same tokenizer" if same else
+                     f"the draft was made with another tokenizer (hash {base['tokenizer_sha256']}; "
+                     f"this target's is {mine})"))
+    return rows
+
+
+def require_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
+                 tokenizer: Any | None = None, where: str = "draft",
+                 allow_base_mismatch: bool = False) -> list[str]:
+    """Raise MismatchError when the draft cannot run on the target (hidden size or vocabulary
+    differ) or was made for another one (its recorded base-model config or tokenizer hash is not
+    this target's), unless ``allow_base_mismatch``. Returns the base-model mismatches allowed
+    that way (empty when the draft is the target's own), for the caller to warn about."""
+    rows = check_fits(draft_config, target_config, tokenizer)
+    bad = [f"{name}: {detail}" for name, ok, detail in rows
+           if not ok and name in ("hidden_size", "vocab_size")]
+    if bad:
+        raise MismatchError(f"{where} does not fit the target: " + "; ".join(bad))
+    foreign = [f"{name}: {detail}" for name, ok, detail in rows if not ok and name in BASE_CHECKS]
+    if foreign and not allow_base_mismatch:
+        raise MismatchError(f"{where} was made for another target: " + "; ".join(foreign)
+                            + ". Pass --allow-base-mismatch to use it anyway (its drafts will "
+                            "be accepted less often, or not at all)")
+    return foreign

