@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fastmtp_sglang.cli.bench import load_prompt_ids
+from fastmtp_sglang.core.prompts import load_prompt_ids
 from fastmtp_sglang.core.draft_dir import load_head
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.metrics import summarize_cycles

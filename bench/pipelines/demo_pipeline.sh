@@ -19,6 +19,7 @@
 # (bench/results/train_throughput).
 #
 # STAGE=distill stops after the distillation (the long part), STAGE=curve after the heads.
+# The distillation itself is committed (bench/train_data/) and restored unless REDISTILL=1.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=${1:-runs/demo-pipeline-v2}
@@ -37,15 +38,23 @@ echo "target: $T"
 
 # training prompts: the two instruction sets and the synthesised task prompts, shuffled (seed 0)
 # so that any prefix of the distilled data mixes every kind (learning curves take prefixes)
+# (AlpacaEval's instructions are CC BY-NC 4.0: in the repository, not in the wheel)
 P=fastmtp_sglang/data/train_prompts
 [[ -f $W/prompts-mix.jsonl ]] || "$BIN/python" - "$W/prompts-mix.jsonl" \
-    "$P/alpaca_eval_instructions.jsonl" "$P/self_instruct_seed.jsonl" "$P/synth_tasks.jsonl" <<'EOF'
+    bench/train_prompts/alpaca_eval_instructions.jsonl "$P/self_instruct_seed.jsonl" "$P/synth_tasks.jsonl" <<'EOF'
 import random, sys
 out, *files = sys.argv[1:]
 rows = [line for f in files for line in open(f, encoding="utf-8") if line.strip()]
 random.Random(0).shuffle(rows)
 open(out, "w", encoding="utf-8").writelines(rows)
 EOF
+
+# the committed distillation (bench/train_data/, see its README): restored when the work
+# directory has none, so a fresh clone skips the 1-4 hours of generation (the distill step below
+# then only finishes what the archive lacks). REDISTILL=1 ignores it and generates from scratch.
+if [[ ! -f $W/distill.jsonl && ${REDISTILL:-0} != 1 && -f bench/train_data/manifest.json ]]; then
+    "$BIN/python" bench/train_data.py restore "$W"
+fi
 
 # self-distillation: the target's own answers (T=0.6, top-p 0.95, top-k 20), N per prompt,
 # generated in this process; evaluation prompts refused by --exclude

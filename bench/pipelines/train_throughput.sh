@@ -17,7 +17,7 @@ BIN=${BIN:-.venv/bin}
 mkdir -p "$W"
 T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
 [[ -f $W/init/config.json ]] || "$BIN/fastmtp" init-head --target "$T" "$W/init"
-"$BIN/fastmtp" distill --target "$T" --prompts fastmtp_sglang/data/train_prompts/alpaca_eval_instructions.jsonl \
+"$BIN/fastmtp" distill --target "$T" --prompts bench/train_prompts/alpaca_eval_instructions.jsonl \
     --limit "$N" --max-new-tokens 256 --batch-size 64 --no-progress \
     --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/data.jsonl"
 common=(--target "$T" --init "$W/init" --data "$W/data.jsonl" --epochs 2 --steps 3 --batch-size 8

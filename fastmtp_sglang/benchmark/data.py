@@ -1,14 +1,17 @@
 """Where the shipped prompt files are, in a source checkout or an installed wheel.
 
-``bench/data/*.jsonl`` (evaluation: Spec-Bench, 480 rows; a C-Eval sample, 51 rows; its README
-gives provenance and licences) ships inside the wheel as ``fastmtp_sglang/eval_data/``
-(setuptools ``package-dir`` in ``pyproject.toml``); the training prompts are
-``fastmtp_sglang/data/train_prompts/`` in both. So the commands that point at them work without a
+``bench/data/`` holds the evaluation prompts (Spec-Bench, 480 rows, Apache-2.0; a C-Eval sample,
+51 rows, CC BY-NC-SA 4.0; its README gives provenance and licences). Spec-Bench ships inside the
+wheel as ``fastmtp_sglang/eval_data/`` (setuptools ``package-dir`` in ``pyproject.toml``); the
+C-Eval sample is non-commercial and stays in the source repository only. The training prompts
+that ship are ``fastmtp_sglang/data/train_prompts/`` (self-instruct seeds, Apache-2.0, and our
+synthesised tasks); AlpacaEval's instructions (CC BY-NC 4.0) stay in the repository at
+``bench/train_prompts/``. So the commands that point at the shipped files work without a
 checkout::
 
-    fastmtp bench ... --prompts "$(python -m fastmtp_sglang.benchmark.data spec_bench.jsonl)"
-    fastmtp distill ... --prompts "$(python -m fastmtp_sglang.benchmark.data --train)"/*.jsonl \\
-        --exclude "$(python -m fastmtp_sglang.benchmark.data)"/*.jsonl
+    fastmtp bench ... --prompts "$(python -m fastmtp_sglang.cli.prompt_files spec_bench.jsonl)"
+    fastmtp distill ... --prompts "$(python -m fastmtp_sglang.cli.prompt_files --train)"/*.jsonl \\
+        --exclude "$(python -m fastmtp_sglang.cli.prompt_files)"/*.jsonl
 
 The evaluation files are evaluation data only: never train, self-distil or build vocab tables on
 them.
@@ -16,7 +19,6 @@ them.
 
 from __future__ import annotations
 
-import sys
 from importlib import resources
 from pathlib import Path
 
@@ -41,10 +43,22 @@ def bench_data_dir() -> Path:
                        "fastmtp-sglang")
 
 
+# Files of the source repository that are not in the wheel (non-commercial licences): name ->
+# (licence, where they are in the repository).
+NOT_IN_WHEEL = {
+    "c_eval_zh.jsonl": ("CC BY-NC-SA 4.0", "bench/data/c_eval_zh.jsonl"),
+    "alpaca_eval_instructions.jsonl": ("CC BY-NC 4.0", "bench/train_prompts/alpaca_eval_instructions.jsonl"),
+}
+
+
 def bench_data_path(name: str) -> Path:
     """Path of one shipped evaluation file, e.g. ``bench_data_path("spec_bench.jsonl")``."""
     folder = bench_data_dir()
     path = folder / name
+    if not path.is_file() and name in NOT_IN_WHEEL:
+        licence, where = NOT_IN_WHEEL[name]
+        raise FastMTPError(f"{name} ({licence}, non-commercial) is not shipped in the wheel: it is in "
+                           f"the source repository at {where}; clone the repository and pass that path")
     if not path.is_file() or path.parent != folder:
         have = ", ".join(sorted(p.name for p in folder.glob("*.jsonl")))
         raise FastMTPError(f"no shipped evaluation file {name!r}; shipped: {have}")
@@ -55,24 +69,3 @@ def train_prompts_dir() -> Path:
     """The folder of the shipped training prompts (``fastmtp_sglang/data/train_prompts``)."""
     return Path(str(resources.files("fastmtp_sglang.data").joinpath("train_prompts")))
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fastmtp_sglang.benchmark.data [NAME | --train]``: print the evaluation folder, one
-    evaluation file's path, or (``--train``) the training-prompt folder."""
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        if args == ["--train"]:
-            print(train_prompts_dir())
-        elif len(args) > 1 or (args and args[0].startswith("-")):
-            print("usage: python -m fastmtp_sglang.benchmark.data [NAME | --train]", file=sys.stderr)
-            return 2
-        else:
-            print(bench_data_path(args[0]) if args else bench_data_dir())
-    except FastMTPError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

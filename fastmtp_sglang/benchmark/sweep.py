@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.decode.metrics import summarize_cycles
 
 
@@ -269,6 +270,26 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
                 i += 1
     samples.sort(key=lambda s: (s.drafter, s.steps, s.category, s.prompt_id, s.repeat))
     return samples
+
+
+def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:
+    """Ask each server which K it runs (``/server_info``): ({K: url}, {K: draft path or "none"}).
+    Two servers that report the same K are an error."""
+    from fastmtp_sglang.serving.client import server_info
+
+    urls: dict[int, str] = {}
+    drafts: dict[int, str] = {}
+    for u in server_urls:
+        info = server_info(u)
+        k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
+        if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
+            k = 0
+        if k in urls:
+            raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
+        urls[k] = u
+        drafts[k] = str(info.get("speculative_draft_model_path") or info.get("draft_model_path")
+                        or "none")
+    return urls, drafts
 
 
 def run_urls(urls: dict[int, str], prompts: list[tuple[str, str, str]], cfg: BenchConfig,

@@ -12,19 +12,19 @@ import sys
 
 from fastmtp_sglang.core.errors import FastMTPError
 
-# module names under fastmtp_sglang.commands..., in help order
+# one module per command, in help order
 COMMAND_MODULES = [
-    "fastmtp_sglang.core.convert",
-    "fastmtp_sglang.training.init_head",
+    "fastmtp_sglang.cli.convert",
+    "fastmtp_sglang.cli.init_head",
     "fastmtp_sglang.cli.inspect_draft",
     "fastmtp_sglang.cli.serve",
     "fastmtp_sglang.cli.bench",
     "fastmtp_sglang.cli.demo",
-    "fastmtp_sglang.training.synth_prompts",
-    "fastmtp_sglang.training.distill",
-    "fastmtp_sglang.training.features",
-    "fastmtp_sglang.training.train",
-    "fastmtp_sglang.training.curve",
+    "fastmtp_sglang.cli.synth_prompts",
+    "fastmtp_sglang.cli.distill",
+    "fastmtp_sglang.cli.features",
+    "fastmtp_sglang.cli.train",
+    "fastmtp_sglang.cli.curve",
     "fastmtp_sglang.cli.build_vocab",
 ]
 

@@ -5,7 +5,7 @@
   fastmtp bench --url http://127.0.0.1:30000 --url http://127.0.0.1:30001 --target T \\
       --prompts bench/data/spec_bench.jsonl --out R/
 
-bench/data/*.jsonl also ships in the wheel: --prompts "$(python -m fastmtp_sglang.benchmark.data spec_bench.jsonl)"
+bench/data/spec_bench.jsonl also ships in the wheel: --prompts "$(python -m fastmtp_sglang.cli.prompt_files spec_bench.jsonl)"
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.prompts import load_prompt_ids
 
 
 def parse_steps(text: str) -> list[int]:
@@ -26,20 +27,6 @@ def parse_steps(text: str) -> list[int]:
     if not steps or min(steps) < 0:
         raise FastMTPError(f"--steps needs integers >= 0; got {text!r}")
     return steps
-
-
-def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
-    """(id, category, text, ids) with the chat template applied (the server applies none)."""
-    from fastmtp_sglang.core.prompts import load_prompts, render_chat
-
-    out = []
-    for p in load_prompts(paths, limit_per_category=limit, categories=categories):
-        text = render_chat(tokenizer, p.text) if chat else p.text
-        ids = tokenizer(text, add_special_tokens=not chat).input_ids
-        out.append((p.id, p.category, text, ids))
-    if not out:
-        raise FastMTPError("no prompts to run")
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,20 +42,9 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         from transformers import AutoTokenizer
 
-        from fastmtp_sglang.serving.client import server_info
+        from fastmtp_sglang.benchmark.sweep import servers_by_k
 
-        urls: dict[int, str] = {}
-        drafts: dict[int, str] = {}
-        for u in args.url:
-            info = server_info(u)
-            k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
-            if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
-                k = 0
-            if k in urls:
-                raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
-            urls[k] = u
-            drafts[k] = str(info.get("speculative_draft_model_path") or info.get("draft_model_path")
-                            or "none")
+        urls, drafts = servers_by_k(args.url)
         missing = [k for k in cfg.steps if k not in urls]
         if missing:
             raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
@@ -176,7 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")
     p.add_argument("--draft", help="draft directory (in-process)")
     p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Spec-Bench, C-Eval, "
-                   "{id, prompt} JSONL; the shipped ones: python -m fastmtp_sglang.benchmark.data)")
+                   "{id, prompt} JSONL; the shipped ones: python -m fastmtp_sglang.cli.prompt_files)")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--category", action="append", default=None, help="only this category (repeatable)")
     p.add_argument("--raw", action="store_true", help="send prompts as they are, no chat template")

@@ -46,7 +46,8 @@ def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
 def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import (BenchConfig, contamination_text, markdown, run_in_process,
                                       summarize, write_results)
-    from fastmtp_sglang.cli.bench import load_prompt_ids, parse_steps
+    from fastmtp_sglang.cli.bench import parse_steps
+    from fastmtp_sglang.core.prompts import load_prompt_ids
     from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
     from fastmtp_sglang.core.draft_dir import load_head
     from fastmtp_sglang.core.target import load_target

@@ -134,6 +134,18 @@ def render_chat(tokenizer, text: str, system: str | None = None) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
+    """(id, category, text, ids) with the chat template applied (the server applies none)."""
+    out = []
+    for p in load_prompts(paths, limit_per_category=limit, categories=categories):
+        text = render_chat(tokenizer, p.text) if chat else p.text
+        ids = tokenizer(text, add_special_tokens=not chat).input_ids
+        out.append((p.id, p.category, text, ids))
+    if not out:
+        raise FastMTPError("no prompts to run")
+    return out
+
+
 def _read_file(path: Path) -> list[Prompt]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

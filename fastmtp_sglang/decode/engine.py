@@ -123,174 +123,156 @@ class ReferenceEngine:
     def generate(self, requests: list[Request],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
         """Run a batch to completion. ``on_tokens(i, ids)`` streams each row's new tokens."""
-        from transformers import DynamicCache
-
         for r in requests:
             self.validate(r)
+        b = self._prefill(requests, on_tokens)
+        while b.drop_finished():
+            t = time.perf_counter()
+            drafts, qs, Kc = self._draft(b)
+            _sync(self.device)
+            t_draft = time.perf_counter() - t
+            t = time.perf_counter()
+            vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc)
+            _sync(self.device)
+            t_verify = time.perf_counter() - t
+            t = time.perf_counter()
+            bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
+            _sync(self.device)
+            t_draft += time.perf_counter() - t
+            self._advance(b, acc, emitted, bonus, t_draft, t_verify, on_tokens)
+        return self._results(b)
+
+    # -- the steps of generate ----------------------------------------------------------------
+    def _prefill(self, requests: list[Request], on_tokens) -> "_Batch":
+        """Target forward over the prompts (and the head's draft extend over them); emits each
+        row's first token."""
+        from transformers import DynamicCache
+
         dev, K = self.device, self.steps
-        use_head = bool(K) and self.drafter is None
-        rows = [_Row(r, i, K) for i, r in enumerate(requests)]
-        # one generator per request: a seeded request samples the same tokens whatever batch it
-        # shares (rows without a seed draw theirs from torch's global generator)
-        gens = []
-        for r in requests:
-            g_ = torch.Generator(device=dev)
-            g_.manual_seed(r.params.seed if r.params.seed is not None
-                           else int(torch.randint(0, 2**62, (1,)).item()))
-            gens.append(g_)
-        greedy = all(r.params.is_greedy for r in requests)
-        temp = torch.tensor([r.params.temperature for r in requests], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
-
-        def pick(logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
-            if greedy:
-                return logits.argmax(-1), None
-            probs = logits_to_probs(logits.float(), temp[rows_t], top_p[rows_t], top_k[rows_t])
-            toks = torch.cat([sample(probs[i:i + 1], gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
-            return toks, probs
-
-        def draft_pick(g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
-            if self.draft_vocab is None:
-                return pick(self.head.project(g).float(), rows_t)
-            if greedy:
-                return self.draft_vocab.greedy(g, tidx, extra), None
-            return pick(self.draft_vocab.logits(g, tidx, extra).float(), rows_t)
-
+        b = _Batch(self, requests)
         t0 = time.perf_counter()
-        B = len(rows)
+        B = len(b.rows)
         lens = torch.tensor([len(r.input_ids) for r in requests], device=dev)
         L = int(lens.max())
         ids = torch.zeros(B, L, dtype=torch.long, device=dev)
         for i, r in enumerate(requests):
             ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids, device=dev)
         ar = torch.arange(L, device=dev)
-        valid = ar[None] < lens[:, None]                      # [B, slots] target KV slots in use
-        cache = DynamicCache()
-        hidden = self._target(ids, ar[None].expand(B, L), valid.long(), cache)   # [B, L, H]
-        last_h = hidden[torch.arange(B, device=dev), lens - 1]                   # [B, H]
-        active = torch.arange(B, device=dev)                  # batch index of each live row
-        pending, _ = pick(self.target.lm_head(last_h).float(), active)           # [B]
-        pos = lens.clone()                                    # position of `pending`, per row
-        dcache = None
-        tidx = extra = None
-        if use_head:
+        b.valid = ar[None] < lens[:, None]                    # [B, slots] target KV slots in use
+        b.cache = DynamicCache()
+        hidden = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)   # [B, L, H]
+        last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
+        b.active = torch.arange(B, device=dev)                # batch index of each live row
+        b.pending, _ = b.pick(self.target.lm_head(last_h).float(), b.active)        # [B]
+        b.pos = lens.clone()                                  # position of `pending`, per row
+        if b.use_head:
             # draft extend over the prompt: (h_i, x_{i+1}) at position i; x_n is `pending`
             nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-            nxt[torch.arange(B, device=dev), lens - 1] = pending
+            nxt[torch.arange(B, device=dev), lens - 1] = b.pending
             max_len = self.max_context + K + 2
-            dcache = self.head.new_cache(B, max_len, device=dev)
-            g, _ = self.head(hidden, nxt, ar[None].expand(B, L), dcache, return_logits=False)
-            g = g[torch.arange(B, device=dev), lens - 1]                          # [B, H]
+            b.dcache = self.head.new_cache(B, max_len, device=dev)
+            g, _ = self.head(hidden, nxt, ar[None].expand(B, L), b.dcache, return_logits=False)
+            b.g = g[torch.arange(B, device=dev), lens - 1]                            # [B, H]
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
-                tidx, extra = self.draft_vocab.choose(ids, valid)
+                b.tidx, b.extra = self.draft_vocab.choose(ids, b.valid)
         _sync(dev)
         prefill = time.perf_counter() - t0
-        for r in rows:
+        for r in b.rows:
             r.metrics.prefill_s = prefill
-            self._emit(r, [int(pending[r.index])], on_tokens)
-        t_decode = time.perf_counter()
+            self._emit(r, [int(b.pending[r.index])], on_tokens)
+        b.t_decode = time.perf_counter()
+        return b
 
-        while True:
-            live_rows = [r for r in rows if r.finish is None]
-            if not live_rows:
-                break
-            keep = torch.tensor([r.index for r in live_rows], device=dev)
-            if len(live_rows) < len(active):  # drop finished rows from every batched tensor
-                sel = torch.searchsorted(active, keep)
-                active = keep
-                cache.batch_select_indices(sel)
-                valid, pending, pos = valid[sel], pending[sel], pos[sel]
-                if use_head:
-                    dcache.select(sel)
-                    g = g[sel]
-                    if tidx is not None:
-                        tidx = tidx[sel]
-                        extra = extra[sel] if extra is not None else None
-            n = len(active)
-            # -- 1. draft ------------------------------------------------------------------
-            t = time.perf_counter()
-            drafts = torch.empty(n, K, dtype=torch.long, device=dev)
-            qs = []
-            Kc = K  # drafts verified this cycle (a drafter with nothing to propose: 0)
-            if self.drafter is not None and K:
-                drafts, Kc = self._propose(rows, active, K, pending)
-                if not greedy:  # a deterministic draft: q is one-hot at each proposed token
-                    V = self.target.lm_head.weight.shape[0]
-                    qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
-            elif use_head:
-                d, q = draft_pick(g, active)
-                drafts[:, 0] = d
+    def _draft(self, b: "_Batch") -> tuple[torch.Tensor, list, int]:
+        """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
+        Kc is the number of drafts verified this cycle (a drafter with nothing to propose: 0)."""
+        dev, K, n = self.device, self.steps, len(b.active)
+        drafts = torch.empty(n, K, dtype=torch.long, device=dev)
+        qs: list = []
+        Kc = K
+        if self.drafter is not None and K:
+            drafts, Kc = self._propose(b.rows, b.active, K, b.pending)
+            if not b.greedy:  # a deterministic draft: q is one-hot at each proposed token
+                V = self.target.lm_head.weight.shape[0]
+                qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
+        elif b.use_head:
+            d, q = b.draft_pick(b.g, b.active)
+            drafts[:, 0] = d
+            qs.append(q)
+            for k in range(2, K + 1):
+                g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], (b.pos + k - 2)[:, None],
+                                 b.dcache, return_logits=False)
+                b.g = g[:, 0]
+                d, q = b.draft_pick(b.g, b.active)
+                drafts[:, k - 1] = d
                 qs.append(q)
-                for k in range(2, K + 1):
-                    g, _ = self.head(g[:, None], drafts[:, k - 2, None], (pos + k - 2)[:, None],
-                                     dcache, return_logits=False)
-                    g = g[:, 0]
-                    d, q = draft_pick(g, active)
-                    drafts[:, k - 1] = d
-                    qs.append(q)
-            _sync(dev)
-            t_draft = time.perf_counter() - t
-            # -- 2. verify -----------------------------------------------------------------
-            t = time.perf_counter()
-            vin = torch.cat([pending[:, None], drafts], dim=1)                       # [n, Kc+1]
-            vpos = pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
-            valid = torch.cat([valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
-            vh = self._target(vin, vpos, valid.long(), cache)                         # [n, Kc+1, H]
-            tlogits = self.target.lm_head(vh).float()                                 # [n, K+1, V]
-            # -- 3. accept -----------------------------------------------------------------
-            if greedy:
-                acc, emitted = verify_greedy(drafts, tlogits)
-            else:
-                p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
-                                    temp[active].repeat_interleave(Kc + 1),
-                                    top_p[active].repeat_interleave(Kc + 1),
-                                    top_k[active].repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
-                q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
-                parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], gens[int(r)])
-                         for i, r in enumerate(active.tolist())]
-                acc = torch.cat([a for a, _ in parts])
-                emitted = torch.cat([e for _, e in parts])
-            # -- 4. rollback: hide the slots of rejected drafts; crop what no row uses ------
-            slot = torch.arange(Kc + 1, device=dev)[None]
-            valid[:, -(Kc + 1):] = slot <= acc[:, None]
-            used = int(valid.any(0).nonzero().max()) + 1
-            if used < valid.shape[1]:
-                cache.crop(used - valid.shape[1])  # negative: drop that many trailing slots
-                valid = valid[:, :used]
-            _sync(dev)
-            t_verify = time.perf_counter() - t
-            # -- 5. draft extend over the accepted positions --------------------------------
-            t = time.perf_counter()
-            bonus = emitted.gather(1, acc[:, None])[:, 0]                             # [n]
-            if use_head:
-                ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                   # [n, K+1]
-                ext_ids.scatter_(1, acc[:, None], bonus[:, None])
-                ge, _ = self.head(vh, ext_ids, vpos, dcache, return_logits=False)
-                g = ge[torch.arange(n, device=dev), acc]
-            _sync(dev)
-            t_draft += time.perf_counter() - t
-            # -- bookkeeping ----------------------------------------------------------------
-            acc_l, em_l = acc.tolist(), emitted.tolist()
-            for j, i in enumerate(active.tolist()):
-                r = rows[i]
-                r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
-                                                 verify_s=t_verify / n))
-                self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
-                if r.finish is None and int(pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
-                    r.finish = {"type": "length", "length": len(r.out)}
-                if r.finish is not None:
-                    r.metrics.decode_s = time.perf_counter() - t_decode
-            pos = pos + acc + 1
-            pending = bonus
+        return drafts, qs, Kc
 
+    def _verify(self, b: "_Batch", drafts: torch.Tensor, qs: list, Kc: int):
+        """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
+        returns (target hidden [n, Kc+1, H], positions [n, Kc+1], accepted [n], emitted [n, Kc+1])."""
+        dev, n = self.device, len(b.active)
+        vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
+        vpos = b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
+        b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
+        vh = self._target(vin, vpos, b.valid.long(), b.cache)                         # [n, Kc+1, H]
+        tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
+        if b.greedy:
+            acc, emitted = verify_greedy(drafts, tlogits)
+        else:
+            p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
+                                b.temp[b.active].repeat_interleave(Kc + 1),
+                                b.top_p[b.active].repeat_interleave(Kc + 1),
+                                b.top_k[b.active].repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
+            q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
+            parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], b.gens[int(r)])
+                     for i, r in enumerate(b.active.tolist())]
+            acc = torch.cat([a for a, _ in parts])
+            emitted = torch.cat([e for _, e in parts])
+        # rollback: hide the slots of rejected drafts; crop what no row uses
+        slot = torch.arange(Kc + 1, device=dev)[None]
+        b.valid[:, -(Kc + 1):] = slot <= acc[:, None]
+        used = int(b.valid.any(0).nonzero().max()) + 1
+        if used < b.valid.shape[1]:
+            b.cache.crop(used - b.valid.shape[1])  # negative: drop that many trailing slots
+            b.valid = b.valid[:, :used]
+        return vh, vpos, acc, emitted
+
+    def _draft_extend(self, b: "_Batch", drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
+                      acc: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """5. draft extend over the accepted positions; returns each row's bonus token [n]."""
+        n = len(b.active)
+        bonus = emitted.gather(1, acc[:, None])[:, 0]                                 # [n]
+        if b.use_head:
+            ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                       # [n, K+1]
+            ext_ids.scatter_(1, acc[:, None], bonus[:, None])
+            ge, _ = self.head(vh, ext_ids, vpos, b.dcache, return_logits=False)
+            b.g = ge[torch.arange(n, device=self.device), acc]
+        return bonus
+
+    def _advance(self, b: "_Batch", acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
+                 t_draft: float, t_verify: float, on_tokens) -> None:
+        """Bookkeeping: log the cycle, emit each row's tokens, finish rows, move positions on."""
+        n, K = len(b.active), self.steps
+        acc_l, em_l = acc.tolist(), emitted.tolist()
+        for j, i in enumerate(b.active.tolist()):
+            r = b.rows[i]
+            r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
+                                             verify_s=t_verify / n))
+            self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
+            if r.finish is None and int(b.pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
+                r.finish = {"type": "length", "length": len(r.out)}
+            if r.finish is not None:
+                r.metrics.decode_s = time.perf_counter() - b.t_decode
+        b.pos = b.pos + acc + 1
+        b.pending = bonus
+
+    def _results(self, b: "_Batch") -> list[Result]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if dev.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(dev)
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
         results = []
-        for r in rows:
+        for r in b.rows:
             r.metrics.peak_memory_bytes = peak
             r.metrics.completion_tokens = len(r.out)
             text = self._decode(r.out) if self.target.tokenizer is not None else None
@@ -346,3 +328,67 @@ class ReferenceEngine:
                 r.finish = {"type": "stop", "matched": s, "matched_str": s}
         if on_tokens is not None and len(r.out) > start:
             on_tokens(r.index, r.out[start:])
+
+
+class _Batch:
+    """The device-side state of one ``generate`` call: the rows still live, the target's slot
+    cache and its mask, each row's pending token and position, the head's cache and last hidden
+    state, and each request's sampling settings and generator."""
+
+    def __init__(self, engine: ReferenceEngine, requests: list[Request]):
+        dev, K = engine.device, engine.steps
+        self.engine = engine
+        self.use_head = bool(K) and engine.drafter is None
+        self.rows = [_Row(r, i, K) for i, r in enumerate(requests)]
+        # one generator per request: a seeded request samples the same tokens whatever batch it
+        # shares (rows without a seed draw theirs from torch's global generator)
+        self.gens = []
+        for r in requests:
+            g_ = torch.Generator(device=dev)
+            g_.manual_seed(r.params.seed if r.params.seed is not None
+                           else int(torch.randint(0, 2**62, (1,)).item()))
+            self.gens.append(g_)
+        self.greedy = all(r.params.is_greedy for r in requests)
+        self.temp = torch.tensor([r.params.temperature for r in requests], device=dev)
+        self.top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
+        self.top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
+        # set by ReferenceEngine._prefill
+        self.cache = self.valid = self.active = self.pending = self.pos = None
+        self.dcache = self.g = self.tidx = self.extra = None
+        self.t_decode = 0.0
+
+    def pick(self, logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        probs = logits_to_probs(logits.float(), self.temp[rows_t], self.top_p[rows_t], self.top_k[rows_t])
+        toks = torch.cat([sample(probs[i:i + 1], self.gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
+        return toks, probs
+
+    def draft_pick(self, g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
+        e = self.engine
+        if e.draft_vocab is None:
+            return self.pick(e.head.project(g).float(), rows_t)
+        if self.greedy:
+            return e.draft_vocab.greedy(g, self.tidx, self.extra), None
+        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float(), rows_t)
+
+    def drop_finished(self) -> bool:
+        """Drop finished rows from every batched tensor; False when no row is left."""
+        live_rows = [r for r in self.rows if r.finish is None]
+        if not live_rows:
+            return False
+        keep = torch.tensor([r.index for r in live_rows], device=self.engine.device)
+        if len(live_rows) < len(self.active):
+            sel = torch.searchsorted(self.active, keep)
+            self.active = keep
+            self.cache.batch_select_indices(sel)
+            self.valid, self.pending, self.pos = self.valid[sel], self.pending[sel], self.pos[sel]
+            if self.use_head:
+                self.dcache.select(sel)
+                self.g = self.g[sel]
+                if self.tidx is not None:
+                    self.tidx = self.tidx[sel]
+                    self.extra = self.extra[sel] if self.extra is not None else None
+        return True
