@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = REPO / "fastmtp_sglang" / "data" / "train_prompts" / "alpaca_eval_instructions.jsonl"
+PROMPTS = REPO / "bench" / "train_prompts" / "alpaca_eval_instructions.jsonl"
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:

@@ -26,7 +26,8 @@ from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.metrics import summarize_cycles
 from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.core.target import load_target
-from fastmtp_sglang.training.train import Example, training_tau
+from fastmtp_sglang.training.data import Example
+from fastmtp_sglang.training.objective import training_tau
 
 
 def main() -> int:

@@ -26,6 +26,11 @@ lowest slot.
 
 Everything is CUDA-graph capturable: no host syncs, no data-dependent shapes (the CPU torch path
 groups rows by table on the host, where a sync costs nothing).
+
+Why one file of ~700 lines: the three kernels, their launcher and the pure-torch reference share
+one signature and one set of input checks, and are tested against each other
+(tests/test_compressed_head.py); keeping the reference beside the kernel is the point
+(docs/design.md section 10).
 """
 
 from __future__ import annotations

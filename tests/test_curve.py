@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from fastmtp_sglang.training.curve import parse_arm, prefix_rows
+from fastmtp_sglang.cli.curve import parse_arm
+from fastmtp_sglang.training.curve import prefix_rows
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.training.train import Example
+from fastmtp_sglang.training.data import Example
 from test_train import one_thread, toy  # noqa: F401  (fixtures)
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n"

@@ -20,11 +20,13 @@ import pytest
 
 from conftest import reference_server
 from fastmtp_sglang.serving import client
-from fastmtp_sglang.training.distill import (
-    DistillConfig, Excluder, Job, Refused, ResponseFilter, Unreachable, distill, eval_texts,
-    is_degenerate, load_jsonl_repair, normalise, read_prompts_tolerant, rejected_path,
-    repetition_coverage, request_with_retries, sample_seed, stats_path,
+from fastmtp_sglang.training.distill import DistillConfig, distill
+from fastmtp_sglang.training.distill_drivers import Refused, Unreachable, request_with_retries
+from fastmtp_sglang.training.distill_filters import (
+    Excluder, ResponseFilter, eval_texts, is_degenerate, normalise, repetition_coverage,
 )
+from fastmtp_sglang.training.distill_io import load_jsonl_repair, rejected_path, stats_path
+from fastmtp_sglang.training.distill_prompts import Job, read_prompts_tolerant, sample_seed
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.prompts import Prompt, render_chat
 
@@ -396,11 +398,12 @@ def test_eval_texts_reads_every_turn_and_is_strict(tmp_path):
 
 
 def test_shipped_training_prompts_do_not_overlap_evaluation():
-    """The counts in fastmtp_sglang/data/train_prompts/README.md."""
+    """The counts in fastmtp_sglang/data/train_prompts/README.md (AlpacaEval's instructions are
+    non-commercial: in the repository's bench/train_prompts/, not in the package)."""
     data = REPO / "fastmtp_sglang" / "data" / "train_prompts"
     evals = [REPO / "bench" / "data" / "spec_bench.jsonl", REPO / "bench" / "data" / "c_eval_zh.jsonl"]
     ex = Excluder(eval_texts(evals))
-    prompts, bad = read_prompts_tolerant([data / "alpaca_eval_instructions.jsonl",
+    prompts, bad = read_prompts_tolerant([REPO / "bench" / "train_prompts" / "alpaca_eval_instructions.jsonl",
                                           data / "self_instruct_seed.jsonl"])
     assert (len(prompts), bad) == (978, [])
     assert [p.id for p in prompts if ex.match(p.text)] == []

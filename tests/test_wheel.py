@@ -60,8 +60,14 @@ def _expected_files(root: Path) -> set[str]:
              for p in files(root / "kernels", ("*.py",))}
     want |= {f"fastmtp_sglang/vocab_tables/{p.relative_to(root / 'vocab_tables').as_posix()}"
              for p in files(root / "vocab_tables", ("*.py", "*.pt", "*.json", "*.md"))}
-    want |= {f"fastmtp_sglang/eval_data/{p.name}" for p in files(root / "bench" / "data", ("*.jsonl", "*.md"))}
+    want |= {f"fastmtp_sglang/eval_data/{p.name}" for p in files(root / "bench" / "data", ("*.jsonl", "*.md"))
+             if p.name not in NON_COMMERCIAL and not p.name.endswith(".LICENSE.md")}
     return want
+
+
+# files of the repository under non-commercial licences: kept for the pipelines and for measuring,
+# never in the Apache-2.0 wheel
+NON_COMMERCIAL = {"c_eval_zh.jsonl", "alpaca_eval_instructions.jsonl"}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +98,11 @@ def test_wheel_holds_the_package_and_its_data(wheel):
     names = set(zipfile.ZipFile(whl).namelist())
     missing = sorted(_expected_files(src) - names)
     assert not missing, f"not in the wheel: {missing}"
+    non_commercial = sorted(n for n in names if Path(n).name in NON_COMMERCIAL)
+    assert not non_commercial, f"non-commercial files in the Apache-2.0 wheel: {non_commercial}"
+    for name in NON_COMMERCIAL:  # still in the repository, each with its licence beside it
+        [kept] = [p for p in src.rglob(name) if p.is_file()]
+        assert "non-commercial" in (kept.parent / kept.name.replace(".jsonl", ".LICENSE.md")).read_text()
     # only our namespace: no top-level `kernels` (PyPI has one that sglang needs) or `vocab_tables`
     top = {n.split("/")[0] for n in names} - {"fastmtp_sglang"}
     assert len(top) == 1 and top.pop().endswith(".dist-info"), sorted({n.split("/")[0] for n in names})
@@ -115,6 +126,14 @@ draft, what = demo.demo_draft(Path("no-target-needed"), Path("no-cache-needed"))
 refs = json.loads((head / "config.json").read_text())["fastmtp"]["vocab_tables"]
 tables = vocab.TableSet.from_draft_dir(head)
 train = bench_data.train_prompts_dir()
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return str(exc)
+    return None
 print(json.dumps({
     "package": fastmtp_sglang.__file__,
     "kernels": fastmtp_sglang.kernels.__file__,
@@ -126,7 +145,8 @@ print(json.dumps({
     "head_tables": [str(vocab.resolve_table_ref(r, head)) for r in refs],
     "head_table_names": tables.names,
     "train_prompts": [str(p) for p in sorted(train.glob("*.jsonl"))],
-    "bench_data": [str(bench_data.bench_data_path(n)) for n in ("spec_bench.jsonl", "c_eval_zh.jsonl")],
+    "bench_data": [str(bench_data.bench_data_path(n)) for n in ("spec_bench.jsonl",)],
+    "c_eval_error": _error(lambda: bench_data.bench_data_path("c_eval_zh.jsonl")),
 }))
 """
 
@@ -159,7 +179,9 @@ def test_installed_wheel_finds_its_own_data(wheel):
     assert got["head_table_names"] == ["en-16384", "zh-4096"]
     assert [Path(p).name for p in got["train_prompts"]] == sorted(
         p.name for p in (src / "fastmtp_sglang" / "data" / "train_prompts").glob("*.jsonl"))
-    printed = subprocess.run([sys.executable, "-m", "fastmtp_sglang.benchmark.data", "spec_bench.jsonl"], cwd=tmp,
+    # the non-commercial evaluation file is not installed, and asking for it says where it is
+    assert "not shipped in the wheel" in got["c_eval_error"] and "bench/data/c_eval_zh.jsonl" in got["c_eval_error"]
+    printed = subprocess.run([sys.executable, "-m", "fastmtp_sglang.cli.prompt_files", "spec_bench.jsonl"], cwd=tmp,
                              env=env, capture_output=True, text=True, timeout=300)
     assert printed.returncode == 0 and installed(printed.stdout.strip()), printed.stdout + printed.stderr
     # the console script of the wheel runs the installed copy too

@@ -31,7 +31,7 @@ serve() {  # K vLLM-port adapter-port: the README's command, then an adapter in 
         --steps "$1" --port "$2" --dtype "$DTYPE" -- --enforce-eager --max-model-len 2048 \
         > "$LOGS/vllm-k$1.log" 2>&1 &
     pids+=($!)
-    "$PYTHON" -m fastmtp_sglang.serving.vllm_proxy --vllm "http://127.0.0.1:$2" --steps "$1" \
+    "$PYTHON" -m fastmtp_sglang.cli.vllm_proxy --vllm "http://127.0.0.1:$2" --steps "$1" \
         --draft "$DRAFT" --port "$3" > "$LOGS/proxy-k$1.log" 2>&1 &
     pids+=($!)
 }

@@ -9,7 +9,7 @@ and the reference engine otherwise, and says which and why. Arguments after ``--
 SGLang's launcher unchanged (the reference engine refuses them).
 
 The reference server speaks SGLang's native API (POST /generate, POST /abort_request, GET
-/health, /server_info, /get_model_info; see fastmtp_sglang.serving.server) on FastAPI + uvicorn, SGLang's
+/health, /server_info, /get_model_info; see fastmtp_sglang.serving.protocol) on FastAPI + uvicorn, SGLang's
 own HTTP stack, and batches concurrent requests: up to ``--max-batch`` waiting requests run as one
 engine batch. It applies no chat template, and samples at temperature 1.0 when a request gives
 none, as SGLang does. It is meant to sit behind a load balancer: at most ``--max-queue`` requests
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 from typing import NoReturn
 
@@ -85,28 +84,13 @@ def run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
             raise
         raise FastMTPError("this installation has no SGLang launcher (fastmtp_sglang.serving.sglang_launch); "
                            "use --engine reference") from None
-    cmd, env = sglang_launch.build_launch_command(args.target, args.draft, args.steps, args.port,
-                                                  args.host, extra, vocab=args.vocab)
-    print("fastmtp serve: " + sglang_launch.format_command(cmd, env), flush=True)
-    print(f"fastmtp serve: SGLang will listen on http://{args.host}:{args.port}", flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+    return sglang_launch.run_sglang(args, extra)
 
 
 def build_reference_server(args: argparse.Namespace):
-    """Load target + head, check they fit, and build (not start) the ReferenceServer."""
-    from fastmtp_sglang.core.draft_dir import load_head, read_config
-    from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.serving.server import ReferenceServer
-    from fastmtp_sglang.core.target import load_target, parse_dtype, require_fits
+    """Check the flags, then load target + head, check they fit, and build (not start) the
+    ReferenceServer (fastmtp_sglang.serving.reference)."""
+    from fastmtp_sglang.serving.reference import load_reference_server
 
     if args.steps < 0:
         raise FastMTPError(f"--steps must be >= 0, got {args.steps}")
@@ -124,37 +108,13 @@ def build_reference_server(args: argparse.Namespace):
             raise FastMTPError(f"{flag} must be >= {low:g}, got {value}")
     if args.draft is None and args.steps > 0:
         raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
-    dtype = parse_dtype(args.dtype)
-    target = load_target(args.target, dtype, args.device)
-    head = None
-    if args.draft is not None:
-        foreign = require_fits(read_config(args.draft), target.config, target.tokenizer,
-                               where=f"draft {args.draft}",
-                               allow_base_mismatch=args.allow_base_mismatch)
-        if foreign:
-            print(f"fastmtp serve: warning: draft {args.draft} was made for another target "
-                  f"({'; '.join(foreign)}); serving it anyway (--allow-base-mismatch)", flush=True)
-        head = load_head(args.draft, target.embed, target.lm_head, dtype=dtype, device=args.device)
-    vocab = None
-    if head is not None:
-        from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
-
-        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", args.draft)
-        if vocab is not None:
-            print(f"fastmtp serve: draft vocabulary {', '.join(vocab.tables.names)}, picked per "
-                  "request from the prompt's script", flush=True)
-    engine = ReferenceEngine(target, head, args.steps, args.max_context, draft_vocab=vocab)
-    try:
-        return ReferenceServer(engine, args.host, args.port, model_path=str(args.target),
-                               draft_path=None if args.draft is None else str(args.draft),
-                               max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000,
-                               log_requests=args.log_requests, max_queue=args.max_queue,
-                               max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                               read_timeout_s=args.read_timeout,
-                               shutdown_timeout_s=args.shutdown_timeout)
-    except OSError as exc:
-        raise FastMTPError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
-                           "pick another --port (0 = any free port)") from None
+    return load_reference_server(
+        args.target, args.draft, args.steps, host=args.host, port=args.port, vocab=args.vocab,
+        dtype=args.dtype, device=args.device, max_context=args.max_context,
+        allow_base_mismatch=args.allow_base_mismatch, max_batch=args.max_batch,
+        batch_window_s=args.batch_window_ms / 1000, log_requests=args.log_requests,
+        max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        read_timeout_s=args.read_timeout, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:

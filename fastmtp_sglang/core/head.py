@@ -427,7 +427,7 @@ class FastMTPHead(nn.Module):
 
         Training runs every anchor of a sequence at once: step k's S inputs see the key blocks of
         steps 1..k-1 (``past_kv``) and their own, through ``attn_mask``; this is how the
-        train-as-you-serve pattern (``fastmtp_sglang.training.train``) reproduces what the serving KV cache
+        train-as-you-serve pattern (``fastmtp_sglang.training.objective``) reproduces what the serving KV cache
         holds. The maths per token is :meth:`forward`'s.
 
         Parameters

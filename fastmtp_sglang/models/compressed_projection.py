@@ -11,7 +11,7 @@ and CUDA graphs see what they always see; the ``[V, H]`` matmul is not done.
 Which table a row uses is device state, per request slot (``forward_batch.req_pool_indices``):
 
 - EXTEND (the draft extend after each prefill chunk sees the prompt's tokens): per-token script
-  classes (``fastmtp_sglang.vocab.tables.script_counts``) are summed per request and added to the
+  classes (``fastmtp_sglang.vocab.language.script_counts``) are summed per request and added to the
   slot's running counts; the slot's table is re-picked from them
   (``table_index_from_counts``: zh when CJK tokens pass the threshold, else the default). A slot
   starts over when the request is new: prefix length 0, or a request id that differs from the
@@ -44,14 +44,13 @@ import torch
 
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
-from fastmtp_sglang.vocab.tables import (
+from fastmtp_sglang.vocab.language import (
     DEFAULT_CJK_THRESHOLD,
     NUM_SCRIPTS,
-    TableSet,
-    resolve_table_ref,
     script_counts,
     table_index_from_counts,
 )
+from fastmtp_sglang.vocab.tables import TableSet, resolve_table_ref
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +415,7 @@ def build_projection(
     """
     tables = TableSet.from_paths(list(refs), tokenizer, base_dir=base_dir)
     if script_classes is None and tokenizer is not None and len(tables) > 1:
-        from fastmtp_sglang.vocab.tables import token_script_classes
+        from fastmtp_sglang.vocab.language import token_script_classes
 
         script_classes = token_script_classes(tokenizer)
     return CompressedProjection(tables, lm_head, script_classes=script_classes, **kwargs)

@@ -20,14 +20,16 @@ reaches the draft model class the same way, as ``FASTMTP_SGLANG_VOCAB``.
 from __future__ import annotations
 
 import os
-import shlex
 import sys
-from pathlib import Path
 
-from fastmtp_sglang.serving.client import wait_for_health  # re-exported: one implementation of the poll
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.launch import (
+    FULL_VOCAB, flag_name, format_command, local_or_id, print_command, read_fastmtp_config,
+    refuse_owned_flags, require_draft, require_steps, run_child, table_env_ref, wait_for_health,
+    wants_tables)
 
-__all__ = ["MODEL_PACKAGE", "build_launch_command", "format_command", "wait_for_health"]
+__all__ = ["MODEL_PACKAGE", "build_launch_command", "format_command", "run_sglang",
+           "wait_for_health"]
 
 MODEL_PACKAGE = "fastmtp_sglang.models"
 PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
@@ -41,17 +43,6 @@ _OWNED_FLAGS = (
 )
 # a FastMTP head is one module reused K times by the stock worker (docs/design.md section 5.4)
 _REFUSED_FLAGS = {"--enable-multi-layer-eagle": "FastMTP reuses one head for every step"}
-_FULL_VOCAB = ("none", "full")
-
-
-def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
-
-
-def _local_or_id(path: str | os.PathLike) -> str:
-    """Absolute path when it exists here (the server may start elsewhere), else as given (a hub id)."""
-    p = Path(path).expanduser()
-    return str(p.resolve()) if p.exists() else str(path)
 
 
 def build_launch_command(
@@ -91,37 +82,26 @@ def build_launch_command(
     FastMTPError
         Bad K, a missing or foreign draft directory, a conflicting flag or environment variable.
     """
-    if steps < 0:
-        raise FastMTPError(f"--steps must be >= 0 (0 = no speculation), got {steps}")
-    if steps == 0 and vocab is not None and str(vocab).strip().lower() not in _FULL_VOCAB:
+    require_steps(steps)
+    if steps == 0 and wants_tables(vocab):
         raise FastMTPError(f"--vocab {vocab}: a compressed draft vocabulary needs a draft "
                            "(--steps > 0 and --draft DIR)")
     vocab_env = _vocab_env(vocab) if steps > 0 else None
     extra = [str(a) for a in extra_args]
-    clashes = sorted({_flag_name(a) for a in extra if _flag_name(a) in _OWNED_FLAGS})
-    if clashes:
-        raise FastMTPError(
-            f"{', '.join(clashes)} in the extra SGLang arguments: fastmtp sets "
-            f"{'this' if len(clashes) == 1 else 'these'} from --target/--draft/--steps/--port/--host")
+    refuse_owned_flags(extra, _OWNED_FLAGS, "SGLang")
     for arg in extra:
-        if _flag_name(arg) in _REFUSED_FLAGS:
-            raise FastMTPError(f"{_flag_name(arg)} is not for FastMTP heads: {_REFUSED_FLAGS[_flag_name(arg)]}")
+        if flag_name(arg) in _REFUSED_FLAGS:
+            raise FastMTPError(f"{flag_name(arg)} is not for FastMTP heads: {_REFUSED_FLAGS[flag_name(arg)]}")
 
     argv = [sys.executable, "-m", "sglang.launch_server",
-            "--model-path", _local_or_id(target), "--host", str(host), "--port", str(int(port))]
+            "--model-path", local_or_id(target), "--host", str(host), "--port", str(int(port))]
     env: dict[str, str] = {}
     if steps > 0:
-        if draft is None:
-            raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 to serve without drafts)")
-        from fastmtp_sglang.core.draft_dir import read_config
-
-        cfg = read_config(draft)  # raises DraftFormatError naming what is wrong
-        if "fastmtp" not in cfg:
-            raise FastMTPError(f"{draft} is not a FastMTP draft directory (its config.json has no "
-                               "'fastmtp' block); make one with `fastmtp convert` or `fastmtp init-head`")
+        require_draft(draft)
+        read_fastmtp_config(draft)
         argv += [
             "--speculative-algorithm", "EAGLE",
-            "--speculative-draft-model-path", _local_or_id(draft),
+            "--speculative-draft-model-path", local_or_id(draft),
             "--speculative-num-steps", str(steps),
             "--speculative-eagle-topk", "1",  # a chain: one head, K steps, no tree
             "--speculative-num-draft-tokens", str(steps + 1),
@@ -143,29 +123,22 @@ def _vocab_env(vocab: str | None) -> str | None:
     if vocab is None:
         return None
     spec = str(vocab).strip()
-    if spec.lower() in _FULL_VOCAB:
+    if spec.lower() in FULL_VOCAB:
         return "full"
     if spec.lower() == "auto":
         return "auto"
-    from fastmtp_sglang.vocab.tables import resolve_table_ref
-
-    refs = []
-    for ref in (r.strip() for r in spec.split(",")):
-        if not ref:
-            continue
-        path = resolve_table_ref(ref)  # raises for an unknown builtin: ref
-        if not ref.startswith("builtin:"):
-            if not path.is_file():
-                raise FastMTPError(f"--vocab: vocab table {ref} does not exist (give table files "
-                                   "or builtin:<tokenizer>/<lang>-<N> refs, full, or auto)")
-            ref = str(path.resolve())  # the scheduler processes may start elsewhere
-        refs.append(ref)
+    refs = [table_env_ref(ref, " (give table files or builtin:<tokenizer>/<lang>-<N> refs, full, "
+                          "or auto)")
+            for ref in (r.strip() for r in spec.split(",")) if ref]
     if not refs:
         raise FastMTPError(f"--vocab {vocab!r}: no table given")
     return ",".join(refs)
 
 
-def format_command(argv: list[str], env: dict[str, str] | None = None) -> str:
-    """One shell line: ``VAR=value python -m sglang.launch_server ...``, quoted for copy-paste."""
-    prefix = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-    return " ".join(prefix + [shlex.quote(a) for a in argv])
+def run_sglang(args, extra: list[str]) -> int:
+    """``fastmtp serve --engine sglang``: print the command, run SGLang's server as a child
+    (Ctrl-C stops it) and return its exit code."""
+    cmd, env = build_launch_command(args.target, args.draft, args.steps, args.port, args.host,
+                                    extra, vocab=args.vocab)
+    print_command(cmd, env, "SGLang", args.host, args.port)
+    return run_child(cmd, env)

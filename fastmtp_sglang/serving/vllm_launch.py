@@ -36,9 +36,11 @@ import os
 import sys
 from pathlib import Path
 
-from fastmtp_sglang.serving.client import wait_for_health  # re-exported: one implementation of the poll
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.serving.sglang_launch import format_command
+from fastmtp_sglang.serving.launch import (
+    FULL_VOCAB, exec_child, flag_name, format_command, local_or_id, print_command,
+    read_fastmtp_config, refuse_owned_flags, require_draft, require_steps, table_env_ref,
+    wait_for_health, wants_tables)
 
 __all__ = ["SERVER_MODULE", "SPEC_METHOD", "VOCAB_ENV", "build_vllm_command", "speculative_config",
            "format_command", "wait_for_health"]
@@ -56,29 +58,14 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 _OWNED_FLAGS = ("--model", "--host", "--port", "--speculative-config", "-sc", "--dtype")
 _KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
              "--device-memory-utilization", "--num-gpu-blocks-override")
-_FULL_VOCAB = ("full", "none")
-
-
-def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
-
-
-def _local_or_id(path: str | os.PathLike) -> str:
-    p = Path(path).expanduser()
-    return str(p.resolve()) if p.exists() else str(path)
 
 
 def speculative_config(draft: str | os.PathLike, steps: int) -> dict:
     """vLLM's ``speculative_config`` for a FastMTP draft directory run K times (one chain)."""
     if steps < 1:
         raise FastMTPError(f"a speculative config needs K >= 1, got {steps}")
-    from fastmtp_sglang.core.draft_dir import read_config
-
-    cfg = read_config(draft)  # raises DraftFormatError naming what is wrong
-    if "fastmtp" not in cfg:
-        raise FastMTPError(f"{draft} is not a FastMTP draft directory (its config.json has no "
-                           "'fastmtp' block); make one with `fastmtp convert` or `fastmtp init-head`")
-    return {"method": SPEC_METHOD, "model": _local_or_id(draft), "num_speculative_tokens": steps}
+    read_fastmtp_config(draft)
+    return {"method": SPEC_METHOD, "model": local_or_id(draft), "num_speculative_tokens": steps}
 
 
 def vocab_env(vocab: str | None) -> str | None:
@@ -89,7 +76,7 @@ def vocab_env(vocab: str | None) -> str | None:
     if vocab is None:
         return None
     spec = str(vocab).strip()
-    if spec.lower() in _FULL_VOCAB:
+    if spec.lower() in FULL_VOCAB:
         return "full"
     refs = [r.strip() for r in spec.split(",") if r.strip()]
     if spec.lower() == "auto" or len(refs) != 1:
@@ -97,15 +84,7 @@ def vocab_env(vocab: str | None) -> str | None:
             f"--vocab {vocab}: vLLM's drafter has no request identity where logits are "
             "computed, so it cannot pick a table per request; give exactly one table (a file or "
             "builtin:<tokenizer>/<lang>-<N>) for one global draft vocabulary, or `full`")
-    from fastmtp_sglang.vocab.tables import resolve_table_ref
-
-    ref = refs[0]
-    path = resolve_table_ref(ref)  # raises for an unknown builtin: ref
-    if ref.startswith("builtin:"):
-        return ref
-    if not path.is_file():
-        raise FastMTPError(f"--vocab: vocab table {ref} does not exist")
-    return str(path.resolve())  # the engine processes may start elsewhere
+    return table_env_ref(refs[0])
 
 
 def build_vllm_command(
@@ -138,27 +117,20 @@ def build_vllm_command(
     argv : list[str], starting with this Python interpreter
     env : dict[str, str], variables to add to the current environment
     """
-    if steps < 0:
-        raise FastMTPError(f"--steps must be >= 0 (0 = no speculation), got {steps}")
+    require_steps(steps)
     extra = [str(a) for a in extra_args]
-    clashes = sorted({_flag_name(a) for a in extra if _flag_name(a) in _OWNED_FLAGS})
-    if clashes:
-        raise FastMTPError(
-            f"{', '.join(clashes)} in the extra vLLM arguments: fastmtp sets "
-            f"{'this' if len(clashes) == 1 else 'these'} from --target/--draft/--steps/--port/"
-            "--host/--dtype")
-    if steps == 0 and vocab is not None and str(vocab).strip().lower() not in _FULL_VOCAB:
+    refuse_owned_flags(extra, _OWNED_FLAGS, "vLLM", "--target/--draft/--steps/--port/--host/--dtype")
+    if steps == 0 and wants_tables(vocab):
         raise FastMTPError(f"--vocab {vocab}: a draft vocabulary needs a draft (--steps > 0)")
-    argv = [sys.executable, "-m", SERVER_MODULE, "--model", _local_or_id(target),
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", local_or_id(target),
             "--host", str(host), "--port", str(int(port))]
     if dtype is not None:
         argv += ["--dtype", str(dtype)]
-    if kv_cache_bytes is not None and not any(_flag_name(a) in _KV_FLAGS for a in extra):
+    if kv_cache_bytes is not None and not any(flag_name(a) in _KV_FLAGS for a in extra):
         argv += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
     env: dict[str, str] = {}
     if steps > 0:
-        if draft is None:
-            raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 to serve without drafts)")
+        require_draft(draft)
         argv += ["--speculative-config", json.dumps(speculative_config(draft, steps))]
         v = vocab_env(vocab)
         if v is not None:
@@ -178,14 +150,12 @@ def run_vllm(args, extra: list[str]) -> int:
     dtype = getattr(args, "dtype", None)
     cmd, env = build_vllm_command(args.target, args.draft, args.steps, args.port, args.host,
                                   extra, dtype=dtype, vocab=getattr(args, "vocab", None))
-    print("fastmtp serve: " + format_command(cmd, env), flush=True)
-    print(f"fastmtp serve: vLLM will listen on http://{args.host}:{args.port} (OpenAI API; "
-          f"`fastmtp bench --url` needs the SGLang-API adapter, docs/vllm_backend.md)", flush=True)
-    sys.stdout.flush()
+    print_command(cmd, env, "vLLM", args.host, args.port,
+                  " (OpenAI API; `fastmtp bench --url` needs the SGLang-API adapter, "
+                  "docs/vllm_backend.md)")
     # become vLLM's server: signals (Ctrl-C, a supervisor's SIGTERM) reach it directly and no
-    # orphaned engine is left behind; returns only if the exec itself fails
-    os.execve(cmd[0], cmd, {**os.environ, **env})
-    return 1
+    # orphaned engine is left behind
+    return exec_child(cmd, env)
 
 
 def _check_fits(target: str | os.PathLike, draft: str | os.PathLike, allow_base_mismatch: bool) -> None:

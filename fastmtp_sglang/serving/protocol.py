@@ -1,0 +1,222 @@
+"""The reference server's protocol: SGLang's native HTTP API as the reference server speaks it,
+parsing and checking a /generate body, the refusals (400, HTTPError), and the limits' defaults.
+
+The HTTP side is fastmtp_sglang.serving.app; the engine worker and its batching,
+fastmtp_sglang.serving.worker.
+
+Endpoints (the shapes of SGLang's native API, so one client serves both):
+
+- ``POST /generate``: ``{"text": str | "input_ids": [int], "sampling_params": {...},
+  "stream": bool, "rid": str}`` -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+  "prompt_tokens", "completion_tokens", "cached_tokens", "spec_verify_ct", "spec_accept_length",
+  "e2e_latency", ...}}``. ``meta_info`` also carries our own acceptance metrics: ``tau``
+  (emitted tokens per verification, prefill token excluded), ``A_k``, ``a_k``, ``accept_hist``
+  and the time split (``prefill_s``, ``decode_s``, ``draft_s``, ``verify_s``,
+  ``decode_tokens_per_s``). With ``"stream": true`` the reply is server-sent events, one
+  ``data: {json}\\n\\n`` per verification cycle with the *cumulative* text and output ids (SGLang's
+  default), the last one carrying the finish reason and metrics, then ``data: [DONE]\\n\\n``.
+- ``POST /abort_request`` ``{"rid": str}`` or ``{"abort_all": true}``: as SGLang's. The request
+  ends at once with ``finish_reason {"type": "abort", "message": ...}`` and what it had generated
+  (a stream gets that as its last event); an unknown rid is not an error.
+- ``GET /health`` (``OK``; 503 while shutting down), ``GET /health_generate`` (runs a one-token
+  generation), ``GET /server_info`` (alias ``/get_server_info``), ``GET /get_model_info``.
+
+SGLang compatibility decisions:
+
+- Text is tokenized as SGLang's tokenizer manager does it: ``tokenizer(text)`` with the
+  tokenizer's defaults, so a BOS is added when the tokenizer adds one. No chat template is
+  applied: clients do that.
+- ``sampling_params`` without ``temperature`` (or with ``null``) samples at temperature 1.0, as
+  SGLang does; send ``"temperature": 0`` for greedy. A temperature below 1e-6 is greedy, as in
+  SGLang (dividing float32 logits by 1e-45 gives inf and NaN probabilities).
+- ``spec_accept_length`` is ``completion_tokens / spec_verify_ct`` as SGLang computes it (the
+  prefill token counts in the numerator, so it sits slightly above ``tau``); 0 when no
+  verification ran. ``avg_spec_accept_length`` in ``/server_info`` is pooled over every
+  verification cycle served (accepted + 1 per cycle), as SGLang's scheduler counts it.
+- A prompt that fills the context is refused with 400 (SGLang does too); a prompt that fits but
+  whose ``max_new_tokens`` would overflow the context is cut at the context with finish reason
+  ``length`` (SGLang refuses it).
+- A client that disconnects aborts its request (SGLang does the same): its row leaves the batch
+  at the next verification cycle.
+
+Errors: every error is JSON ``{"error": {"message": ...}}``. 400: malformed or too deeply nested
+JSON, a bad field, a sampling parameter outside what the engine's float32 / int64 tensors hold, a
+lone surrogate in ``text``, a prompt longer than the context (checked from its length in
+characters before tokenizing when that already proves it). 404 / 405: unknown route or method.
+408: the body did not arrive within ``read_timeout_s``. 413: a body over ``max_body_bytes``,
+refused from its Content-Length before any of it is read. 503 + ``Retry-After``: the queue is
+full, or the server is shutting down. 500: the engine failed on this request.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastmtp_sglang.decode.sampling import SamplingParams
+
+# Top-level /generate fields we act on; SGLang has many more. Fields that only change logging or
+# scheduling are ignored whatever their value; fields that would change the reply are accepted
+# only at SGLang's default (null / false / 0 / empty, or the value listed), so a request never
+# silently loses a feature it asked for. Anything else is refused with 400.
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid")
+IGNORED_FIELDS = ("log_metrics", "priority", "background", "extra_key", "data_parallel_rank",
+                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "return_text_in_logprobs")
+DEFAULT_ONLY_FIELDS = {
+    "return_logprob": None, "logprob_start_len": -1, "top_logprobs_num": None,
+    "token_ids_logprob": None, "lora_path": None, "image_data": None, "audio_data": None,
+    "video_data": None, "modalities": None, "session_params": None,
+    "custom_logit_processor": None, "return_hidden_states": None, "input_embeds": None,
+    "require_reasoning": None,
+}
+SGLANG_DEFAULT_TEMPERATURE = 1.0
+SGLANG_SAMPLING_EPS = 1e-6  # SGLang samples greedily below this temperature (sampling_params.py)
+F32 = torch.finfo(torch.float32)
+INT64_MAX = 2**63 - 1
+
+# Defaults of the knobs `fastmtp serve` exposes.
+MAX_BODY_BYTES = 8 << 20   # a 128K-token prompt is ~1 MB as input_ids, ~3 MB as escaped CJK text
+MAX_QUEUE = 128            # requests waiting for a batch (or still sending / being tokenized)
+READ_TIMEOUT_S = 30.0      # a request's headers and body must arrive within this
+SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
+BACKLOG = 2048             # listen backlog (uvicorn's default; Python's http.server had 5)
+ABORT_BODY_BYTES = 64 << 10
+DISCARD_BYTES = 256 << 20  # an oversized body up to this is drained unread before the 413
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with HTTP 400; the message says what to fix."""
+
+
+class HTTPError(Exception):
+    """A refusal with a status other than 400 (408, 413, 503, ...) and optional headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing a /generate body
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class GenerateInput:
+    """A parsed /generate body: exactly one of ``text`` / ``input_ids`` is set."""
+
+    text: str | None
+    input_ids: list[int] | None
+    params: SamplingParams
+    stream: bool
+    rid: str
+
+
+def _check_engine_dtypes(params: SamplingParams) -> None:
+    """Refuse values the engine's tensors cannot hold (temperature, top_p: float32; top_k:
+    int64): they passed SamplingParams' range checks but raise inside ``generate``."""
+    if params.temperature > F32.max:
+        raise BadRequest(f"sampling_params['temperature']: {params.temperature:g} overflows float32, "
+                         f"the engine's dtype (largest {F32.max:.3g})")
+    if 0 < params.temperature < SGLANG_SAMPLING_EPS:
+        params.temperature = 0.0  # greedy, as SGLang; 1e-45 would make inf logits and NaN probs
+    if params.top_p < F32.tiny:
+        raise BadRequest(f"sampling_params['top_p']: {params.top_p:g} is below float32's smallest "
+                         f"normal number ({F32.tiny:.3g}), the engine's dtype; a top_p that small "
+                         "keeps only the most likely token: send 1e-6 for that")
+    if params.top_k > INT64_MAX:
+        raise BadRequest(f"sampling_params['top_k']: {params.top_k} overflows int64, the engine's "
+                         "dtype; -1 disables top-k")
+
+
+def parse_generate(body: bytes | str) -> GenerateInput:
+    """Parse and check a /generate request body (SGLang's ``GenerateReqInput``, one prompt).
+
+    Raises
+    ------
+    BadRequest
+        On malformed or too deeply nested JSON, a missing / doubled / mistyped field, a batch of
+        prompts, an unknown field, a lone surrogate in ``text``, or a bad sampling parameter
+        (including one the engine's dtypes cannot hold); the message names the field.
+    """
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise BadRequest("the request body is JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(k for k in obj if k not in GENERATE_FIELDS and k not in IGNORED_FIELDS
+                     and not (k in DEFAULT_ONLY_FIELDS
+                              and (not obj[k] or obj[k] == DEFAULT_ONLY_FIELDS[k])))
+    if unknown:
+        raise BadRequest(f"unsupported field(s) {unknown}: the reference server takes "
+                         f"{list(GENERATE_FIELDS)} (SGLang's other fields only at their defaults)")
+    text, ids = obj.get("text"), obj.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("give exactly one of 'text' (a string) or 'input_ids' (a list of ints)"
+                         + ("; got both" if text is not None else ""))
+    if text is not None:
+        if not isinstance(text, str):
+            what = "a batch of prompts" if isinstance(text, list) else type(text).__name__
+            raise BadRequest(f"'text' must be one string, got {what}: the reference server takes "
+                             "one prompt per request (send concurrent requests; they are batched)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON's "\ud800" escape decodes to a lone surrogate
+            raise BadRequest(f"'text' is not valid Unicode: a lone surrogate "
+                             f"(U+{ord(text[exc.start]):04X}) at character {exc.start}") from None
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            what = ("a batch of prompts" if isinstance(ids, list) and ids and isinstance(ids[0], list)
+                    else repr(ids)[:80])
+            raise BadRequest(f"'input_ids' must be one list of ints, got {what}")
+    sp = obj.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest(f"'sampling_params' must be a JSON object, got {type(sp).__name__}")
+    sp = dict(sp)
+    if sp.get("temperature") is None:
+        sp["temperature"] = SGLANG_DEFAULT_TEMPERATURE
+    try:
+        params = SamplingParams.from_dict(sp)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    _check_engine_dtypes(params)
+    stream = obj.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be true or false, got {stream!r}")
+    rid = obj.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex
+    if not isinstance(rid, str) or not rid:
+        raise BadRequest(f"'rid' must be a non-empty string, got {rid!r}")
+    return GenerateInput(text, ids, params, stream, rid)
+
+
+def public_finish_reason(fr: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The engine's finish reason in SGLang's shape (drops internal keys)."""
+    if fr is None:
+        return None
+    return {k: v for k, v in fr.items() if k != "matched_str"}
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry, in characters (0 = unknown).
+
+    A token covers at most as many characters of text as its entry has (byte-level BPE spells
+    each byte as one character; SentencePiece spells text as it is, byte-fallback entries are
+    longer than the byte they stand for), so ``len(text) / (2 * this)`` tokens is a safe floor
+    (the 2 allows for normalisers that merge characters, NFKC's e + U+0301 -> é)."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without get_vocab: no cheap check, tokenize everything
+        return 0

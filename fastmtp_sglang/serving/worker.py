@@ -1,0 +1,588 @@
+"""The reference server's engine side: the bounded queue, the requests in flight, the worker
+thread that owns the engine and batches, failure isolation, abort, and the /server_info and
+/get_model_info data.
+
+``EngineWorker`` is everything of the reference server but HTTP; ``ReferenceServer``
+(fastmtp_sglang.serving.app) puts FastAPI on uvicorn in front of it. The HTTP side uses
+``admit``, ``prepare`` (run on ``_prep``, the tokenizer thread), ``submit``, ``abort`` /
+``abort_rid`` / ``abort_all``, ``retry_after_s``, ``begin_shutdown`` / ``_close``, ``server_info``
+/ ``model_info``, ``stats`` and ``_draining``; each job's events come back through its ``emit``
+callable.
+
+Isolation: when ``engine.generate`` raises on a batch, the batch is re-run in halves until the
+request that fails alone is found; it gets 500, every other request of the batch is answered as
+if nothing happened. Each request without a ``sampling_seed`` gets a random one, so a re-run
+reproduces the tokens a stream has already sent (in float32; see docs/design.md section 6.3 on bf16).
+
+Concurrency: bodies are parsed and prompts tokenized on one tokenizer thread, never on the
+engine's. One worker thread owns the engine and **batches**: it takes the first waiting request,
+then everything else already waiting (after an optional ``batch_window_s`` wait for more), up to
+``max_batch``, and runs one ``ReferenceEngine.generate`` call over them. A request arriving
+while a batch runs waits for the next batch (no continuous batching: a batch runs until all its
+rows finish). At most ``max_queue`` requests wait (counted from the moment their body starts to
+arrive); more get 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Callable
+
+from fastmtp_sglang.decode.engine import Request, RequestError
+from fastmtp_sglang.serving.protocol import (
+    MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
+    HTTPError, max_token_chars, parse_generate, public_finish_reason)
+
+STOP_WORKER_S = 10.0       # after the last request is answered, how long to wait for the engine
+
+
+# ----------------------------------------------------------------------------------------------
+# requests in flight
+# ----------------------------------------------------------------------------------------------
+
+class _Slot:
+    """One place in the bounded queue; released once, by whoever gets there first."""
+
+    def __init__(self, server: "EngineWorker"):
+        self._server, self._held = server, True
+
+    def release(self) -> None:
+        with self._server._cond:
+            if self._held:
+                self._held = False
+                self._server._admitted -= 1
+
+
+@dataclass(eq=False)
+class _Job:
+    """One /generate request from submission to its final event.
+
+    Events go to the HTTP side through ``emit`` (thread-safe, never blocks): ``accepted`` (it
+    joined a batch), ``chunk`` (stream), then exactly one final event: ``done`` (the result),
+    ``error`` ((status, message)) or ``aborted`` ((status, partial result)). ``lock`` orders the
+    worker's events against an abort from the HTTP side, so nothing follows a final event."""
+
+    inp: GenerateInput
+    input_ids: list[int]
+    received: float  # time.time() when the request arrived
+    emit: Callable[[str, Any], None]
+    slot: _Slot | None = None
+    internal: bool = False  # a /health_generate probe: kept out of the statistics
+    req: Request | None = None  # the engine request of the current run
+    out_ids: list[int] = field(default_factory=list)        # this run's tokens so far
+    streamed_ids: list[int] = field(default_factory=list)   # what a stream has sent the client
+    sent_text: str = ""
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, kind: str, payload: Any = None) -> bool:
+        """Emit a non-final event; False when the job is already closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.emit(kind, payload)
+            return True
+
+
+class ServerStats:
+    """Counters over the server's lifetime (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0            # finished with 200
+        self.failed = 0              # refused (400) or failed (500)
+        self.aborted = 0             # ended by /abort_request, a disconnect or shutdown
+        self.busy = 0                # turned away with 503 (queue full, shutting down)
+        self.retried_batches = 0     # batches the engine failed on, re-run in halves
+        self.batches = 0
+        self.largest_batch = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.generated_tokens = 0    # every token the engine emitted, aborted and re-run ones too
+        self.cycles = 0
+        self.accepted = 0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def add_batch(self, n: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.largest_batch = max(self.largest_batch, n)
+
+    def add_result(self, prompt_tokens: int, completion_tokens: int, accepted: list[int]) -> None:
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self.cycles += len(accepted)
+            self.accepted += sum(accepted)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            tau = (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+            return {
+                "avg_spec_accept_length": tau,
+                "requests_served": self.requests,
+                "requests_failed": self.failed,
+                "requests_aborted": self.aborted,
+                "requests_busy": self.busy,
+                "batches": self.batches,
+                "batches_retried": self.retried_batches,
+                "largest_batch": self.largest_batch,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "generated_tokens": self.generated_tokens,
+                "spec_verify_ct": self.cycles,
+            }
+
+
+class _EngineFailure(Exception):
+    """engine.generate raised on a batch (the original exception is the cause)."""
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process now (peak on systems without /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker
+# ----------------------------------------------------------------------------------------------
+
+class EngineWorker:
+    """The batching worker around one ``ReferenceEngine``, and its queue (no HTTP: see
+    ``ReferenceServer`` in fastmtp_sglang.serving.app, which subclasses this).
+
+    Parameters
+    ----------
+    engine : ReferenceEngine (anything with ``generate``, ``validate``, ``max_context``,
+        ``steps`` and ``target.tokenizer``)
+    model_path, draft_path : reported by /server_info and /get_model_info
+    max_batch : most requests per ``generate`` call, >= 1
+    batch_window_s : after the first request of a batch, how long to wait for more; 0 = run at once
+    log_requests : print one line per finished request to stderr
+    max_queue : requests that may wait for a batch (counted from the first byte of their body);
+        more get 503 + Retry-After
+    max_body_bytes : larger bodies get 413 from their Content-Length, before they are read
+    read_timeout_s : the headers and body of a request must arrive within this (else the
+        connection is closed, or 408)
+    shutdown_timeout_s : on shutdown, how long requests in flight get to finish before they
+        are aborted
+    """
+
+    def __init__(self, engine, *,
+                 model_path: str = "", draft_path: str | None = None, max_batch: int = 8,
+                 batch_window_s: float = 0.0, log_requests: bool = False,
+                 max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S):
+        for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
+                                 ("max_body_bytes", max_body_bytes, 1),
+                                 ("batch_window_s", batch_window_s, 0),
+                                 ("read_timeout_s", read_timeout_s, 1e-3),
+                                 ("shutdown_timeout_s", shutdown_timeout_s, 0)):
+            if not value >= low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self.engine = engine
+        self.tokenizer = getattr(engine.target, "tokenizer", None)
+        self.model_path, self.draft_path = model_path, draft_path
+        self.max_batch, self.batch_window_s = max_batch, batch_window_s
+        self.log_requests = log_requests
+        self.max_queue, self.max_body_bytes = max_queue, max_body_bytes
+        self.read_timeout_s, self.shutdown_timeout_s = read_timeout_s, shutdown_timeout_s
+        self.stats = ServerStats()
+        self._max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
+        self._cond = threading.Condition()  # guards everything below (an RLock inside)
+        self._waiting: deque[_Job] = deque()
+        self._jobs: dict[str, _Job] = {}    # rid -> job, from submit to its final event
+        self._admitted = 0                  # queue slots held
+        self._draining = False
+        self._stop = False
+        self._batch_s = 1.0                 # moving average of a batch's duration (Retry-After)
+        self._worker = threading.Thread(target=self._work, name="fastmtp-engine", daemon=True)
+        # bodies are parsed and prompts tokenized here: one thread, so the tokenizer is never
+        # shared, and never the engine's thread, so a huge prompt does not stall generation
+        self._prep = ThreadPoolExecutor(1, thread_name_prefix="fastmtp-tokenize")
+        self._abort_timer: threading.Timer | None = None
+
+    def _start_worker(self) -> None:
+        if not self._worker.is_alive():
+            self._worker.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; abort what is still in flight after ``shutdown_timeout_s``."""
+        with self._cond:
+            if self._draining:
+                return
+            self._draining = True
+            n = len(self._jobs)
+        if n:
+            print(f"fastmtp serve: shutting down: {n} request(s) in flight get up to "
+                  f"{self.shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
+        self._abort_timer = threading.Timer(
+            self.shutdown_timeout_s, self.abort_all,
+            args=("the server is shutting down", HTTPStatus.SERVICE_UNAVAILABLE))
+        self._abort_timer.daemon = True
+        self._abort_timer.start()
+
+    def _close(self) -> bool:
+        """After HTTP has stopped: abort anything left, stop the worker, release resources."""
+        with self._cond:
+            self._draining = True
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+        self.abort_all("the server has stopped", HTTPStatus.SERVICE_UNAVAILABLE)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._worker.is_alive():
+            self._worker.join(STOP_WORKER_S)
+        self._prep.shutdown(wait=False, cancel_futures=True)
+        self._release()
+        return not self._worker.is_alive()
+
+    def _release(self) -> None:
+        """Release what the front end holds (the HTTP side closes its listening socket here)."""
+
+    @property
+    def worker_alive(self) -> bool:
+        return self._worker.is_alive()
+
+    # -- admission and submission ---------------------------------------------------------------
+    def retry_after_s(self) -> int:
+        """Seconds a turned-away client should wait: the batches ahead of it, from recent ones."""
+        with self._cond:
+            ahead = len(self._waiting) // self.max_batch + 1
+            return int(min(60, max(1, math.ceil(self._batch_s * ahead))))
+
+    def _busy(self, message: str) -> HTTPError:
+        self.stats.add(busy=1)
+        return HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, message,
+                         {"Retry-After": str(self.retry_after_s())})
+
+    def admit(self) -> _Slot:
+        """Take a queue slot for a request about to be read, or raise HTTPError 503."""
+        with self._cond:
+            if self._draining:
+                raise self._busy("the server is shutting down; retry (on another replica)")
+            if self._admitted >= self.max_queue:
+                raise self._busy(f"the server is busy: {self._admitted} requests are waiting "
+                                 f"(--max-queue {self.max_queue}); retry later")
+            self._admitted += 1
+            return _Slot(self)
+
+    def prepare(self, body: bytes) -> tuple[GenerateInput, list[int]]:
+        """Parse, tokenize and check one /generate body (on the tokenizer thread).
+
+        Raises BadRequest. A text prompt that is surely too long (from its length in characters)
+        is refused before the tokenizer sees it."""
+        inp = parse_generate(body)
+        if inp.text is not None:
+            if self.tokenizer is None:
+                raise BadRequest("this server's target has no tokenizer: send 'input_ids'")
+            if self._max_token_chars:
+                floor = len(inp.text) // (2 * self._max_token_chars)
+                if floor + 1 > self.engine.max_context:
+                    raise BadRequest(
+                        f"the prompt has {len(inp.text)} characters, so at least {floor} tokens; "
+                        f"this engine's context is {self.engine.max_context} tokens: shorten the "
+                        "prompt")
+            ids = list(self.tokenizer(inp.text)["input_ids"])
+        else:
+            ids = list(inp.input_ids)
+        try:
+            self.engine.validate(Request(ids, inp.params, inp.rid))
+        except RequestError as exc:
+            raise BadRequest(str(exc)) from None
+        if inp.params.seed is None:  # so a re-run after an engine failure samples the same tokens
+            inp.params.seed = secrets.randbits(62)
+        return inp, ids
+
+    def submit(self, inp: GenerateInput, input_ids: list[int], emit: Callable[[str, Any], None],
+               slot: _Slot | None = None, internal: bool = False) -> _Job:
+        """Queue a prepared request for the worker. Raises BadRequest for a rid already in
+        flight, HTTPError 503 while shutting down."""
+        job = _Job(inp, input_ids, time.time(), emit, slot, internal)
+        with self._cond:
+            if self._draining:
+                raise self._busy("the server is shutting down; retry (on another replica)")
+            if inp.rid in self._jobs:
+                raise BadRequest(f"rid {inp.rid!r} is already in flight; give each request its "
+                                 "own rid")
+            self._jobs[inp.rid] = job
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return job
+
+    # -- ending a request -------------------------------------------------------------------------
+    def _finish(self, job: _Job, kind: str, payload: Any) -> bool:
+        """Send a job's final event (once); False when it had already ended."""
+        with job.lock:
+            if job.closed:
+                return False
+            job.closed = True
+            job.emit(kind, payload)
+        self._forget(job)
+        return True
+
+    def _forget(self, job: _Job) -> None:
+        with self._cond:
+            if self._jobs.get(job.inp.rid) is job:
+                del self._jobs[job.inp.rid]
+        if job.slot is not None:
+            job.slot.release()
+
+    def abort(self, job: _Job, message: str, status: int = HTTPStatus.OK) -> bool:
+        """End a request now with finish reason abort and what it has generated so far.
+
+        ``status`` is the HTTP status it gets if nothing has been sent yet: 200 (SGLang's, for
+        /abort_request) or 503 (shutdown: the client should retry). A running row leaves its
+        batch at the next verification cycle."""
+        with job.lock:
+            if job.closed:
+                return False
+            job.closed = True  # from here on the worker sends nothing more for it
+            if job.req is not None:
+                # the engine checks max_new_tokens after every token it appends to a row, so a
+                # limit of 0 finishes the row at its next cycle (engine.py, _emit)
+                job.req.params.max_new_tokens = 0
+            ids = list(job.streamed_ids if job.inp.stream else job.out_ids)
+        partial = {
+            "text": self._decode(ids), "output_ids": ids,
+            "meta_info": {"id": job.inp.rid, "finish_reason": {"type": "abort", "message": message},
+                          "prompt_tokens": len(job.input_ids), "completion_tokens": len(ids),
+                          "cached_tokens": 0, "e2e_latency": time.time() - job.received},
+        }
+        job.emit("aborted", (int(status), partial))
+        self._forget(job)
+        if not job.internal:
+            self.stats.add(aborted=1)
+        if self.log_requests and not job.internal:
+            print(f"[fastmtp serve] {job.inp.rid}: aborted after {len(ids)} tokens ({message})",
+                  file=sys.stderr, flush=True)
+        return True
+
+    def abort_rid(self, rid: str, message: str = "aborted by /abort_request") -> int:
+        with self._cond:
+            job = self._jobs.get(rid)
+        return int(job is not None and self.abort(job, message))
+
+    def abort_all(self, message: str = "aborted by /abort_request",
+                  status: int = HTTPStatus.OK) -> int:
+        with self._cond:
+            jobs = list(self._jobs.values())
+        return sum(self.abort(job, message, status) for job in jobs)
+
+    # -- the worker -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._waiting:
+                    return
+                deadline = time.monotonic() + self.batch_window_s
+                while len(self._waiting) < self.max_batch and not self._stop:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                jobs = []
+                while self._waiting and len(jobs) < self.max_batch:
+                    job = self._waiting.popleft()
+                    if job.slot is not None:
+                        job.slot.release()  # running now: its queue place goes to the next one
+                    if not job.closed:
+                        jobs.append(job)
+            jobs = [job for job in jobs if job.send("accepted")]
+            if not jobs:
+                continue
+            t0 = time.monotonic()
+            try:
+                self._run_isolating(jobs)
+            except Exception as exc:  # a bug outside generate(): fail this batch, keep serving
+                traceback.print_exc(file=sys.stderr)
+                for job in jobs:
+                    self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+            with self._cond:
+                self._batch_s = 0.7 * self._batch_s + 0.3 * (time.monotonic() - t0)
+
+    def _fail(self, job: _Job, status: int, message: str) -> None:
+        if self._finish(job, "error", (int(status), message)) and not job.internal:
+            self.stats.add(failed=1)
+
+    def _run_isolating(self, jobs: list[_Job]) -> None:
+        """Run a batch; when the engine fails on it, re-run it in halves so that only the
+        request that fails alone gets the error."""
+        try:
+            self._run_batch(jobs)
+            return
+        except _EngineFailure as exc:
+            cause = exc.__cause__
+            live = [job for job in jobs if not job.closed]
+            if len(jobs) == 1:
+                traceback.print_exception(cause, file=sys.stderr)
+                for job in live:
+                    self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR,
+                               f"the engine failed on this request: {type(cause).__name__}: {cause}")
+                return
+        self.stats.add(retried_batches=1)
+        print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
+              f"({type(cause).__name__}: {cause}); re-running its {len(live)} open request(s) "
+              "in halves to find the one that caused it", file=sys.stderr, flush=True)
+        half = (len(live) + 1) // 2
+        for part in (live[:half], live[half:]):
+            if part:
+                self._run_isolating(part)
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        """One engine.generate over ``jobs``; raises _EngineFailure when it raises."""
+        reqs: list[Request] = []
+        for job in jobs:
+            with job.lock:
+                job.out_ids = []
+                # a fresh copy per run: an abort lowers max_new_tokens on it
+                job.req = Request(job.input_ids, dataclasses.replace(job.inp.params), job.inp.rid)
+                if job.closed:  # aborted while we were getting here: stop at once
+                    job.req.params.max_new_tokens = 0
+            reqs.append(job.req)
+        self.stats.add_batch(len(jobs))
+
+        def on_tokens(i: int, new: list[int]) -> None:
+            job = jobs[i]
+            self.stats.add(generated_tokens=len(new))
+            with job.lock:
+                job.out_ids.extend(new)
+                if job.inp.stream and not job.closed:
+                    self._stream_chunk(job)
+
+        try:
+            results = self.engine.generate(reqs, on_tokens=on_tokens)
+        except Exception as exc:
+            raise _EngineFailure() from exc
+        for job, res in zip(jobs, results):
+            out = self._response(job, res)
+            if not self._finish(job, "done", out) or job.internal:
+                continue
+            acc = [c.accepted for c in res.metrics.cycles]
+            self.stats.add_result(len(job.input_ids), len(res.output_ids), acc)
+            if self.log_requests:
+                mi = out["meta_info"]
+                print(f"[fastmtp serve] {job.inp.rid}: {mi['prompt_tokens']} prompt + "
+                      f"{mi['completion_tokens']} new tokens, tau {mi['tau']:.2f}, "
+                      f"{mi['e2e_latency']:.2f} s, batch of {len(jobs)}", file=sys.stderr, flush=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stream_chunk(self, job: _Job) -> None:
+        """Send the cumulative output (job.lock held). A re-run after an engine failure stays
+        quiet until it has passed what the client was already sent."""
+        ids = job.out_ids
+        n = len(job.streamed_ids)
+        if len(ids) <= n and ids == job.streamed_ids[:len(ids)]:
+            return
+        text = self._decode(ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+            text = job.sent_text
+        job.sent_text = text
+        job.streamed_ids = list(ids)
+        job.emit("chunk", {
+            "text": text,
+            "output_ids": list(ids),
+            "meta_info": {"id": job.inp.rid, "finish_reason": None,
+                          "prompt_tokens": len(job.input_ids),
+                          "completion_tokens": len(ids), "cached_tokens": 0},
+        })
+
+    def _response(self, job: _Job, res) -> dict[str, Any]:
+        m = res.metrics
+        s = m.summary()
+        n, ct = len(res.output_ids), m.verify_ct
+        meta = {
+            "id": job.inp.rid,
+            "finish_reason": public_finish_reason(res.finish_reason),
+            "prompt_tokens": len(job.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "spec_verify_ct": ct,
+            "spec_accept_length": n / ct if ct else 0.0,
+            "e2e_latency": time.time() - job.received,
+            # ours: acceptance as docs/design.md section 2 defines it, and the time split
+            "tau": s["tau"],
+            "A_k": s["A_k"],
+            "a_k": s["a_k"],
+            "accept_hist": s["accept_hist"],
+            "steps": m.steps,
+            "prefill_s": s["prefill_s"],
+            "decode_s": s["decode_s"],
+            "draft_s": s["draft_s"],
+            "verify_s": s["verify_s"],
+            "decode_tokens_per_s": s["decode_tokens_per_s"],
+        }
+        return {"text": res.text if res.text is not None else "", "output_ids": list(res.output_ids),
+                "meta_info": meta}
+
+    # -- info -----------------------------------------------------------------------------------
+    def server_info(self) -> dict[str, Any]:
+        stats = self.stats.snapshot()
+        with self._cond:
+            waiting = sum(not j.closed for j in self._waiting)
+            in_flight, admitted, draining = len(self._jobs), self._admitted, self._draining
+        return {
+            "engine": "reference",
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "speculative_draft_model_path": self.draft_path,
+            "speculative_algorithm": "EAGLE" if self.engine.steps else None,
+            "speculative_num_steps": self.engine.steps,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": self.engine.steps + 1,
+            "steps": self.engine.steps,
+            "max_batch": self.max_batch,
+            "batch_window_s": self.batch_window_s,
+            "context_length": self.engine.max_context,
+            "max_queue": self.max_queue,
+            "max_body_bytes": self.max_body_bytes,
+            "queued": waiting,
+            "admitted": admitted,
+            "requests_in_flight": in_flight,
+            "draining": draining,
+            "rss_bytes": _rss_bytes(),
+            **stats,
+            # where SGLang's /get_server_info puts it, for clients written against SGLang
+            "internal_states": [{"avg_spec_accept_length": stats["avg_spec_accept_length"]}],
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "draft_model_path": self.draft_path,
+            "steps": self.engine.steps,
+            "context_length": self.engine.max_context,
+        }

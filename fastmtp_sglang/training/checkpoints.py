@@ -1,0 +1,153 @@
+"""A training run's state and its checkpoints: :class:`RunState` (head, optimizer, schedule,
+position in the data, log), and on disk a draft directory with ``trainer_state.pt`` (fp32
+weights, optimizer, scheduler, position in the data, RNG) and ``train_log.jsonl`` beside
+``model.safetensors``, written atomically, read back for ``--resume``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from fastmtp_sglang.core.draft_dir import save_draft_dir
+from fastmtp_sglang.core.errors import FastMTPError
+
+if TYPE_CHECKING:
+    from fastmtp_sglang.core.draft_dir import DraftDir
+    from fastmtp_sglang.core.head import FastMTPHead
+    from fastmtp_sglang.training.config import TrainConfig
+    from fastmtp_sglang.training.data import TrainData
+    from fastmtp_sglang.training.objective import Projection
+
+STATE_NAME = "trainer_state.pt"
+LOG_NAME = "train_log.jsonl"
+STATE_FORMAT = 1
+
+
+def write_checkpoint(out: Path, config: dict[str, Any], state_dict: dict[str, torch.Tensor],
+                     trainer_state: dict[str, Any], log_lines: list[str]) -> None:
+    """A draft directory plus trainer_state.pt and train_log.jsonl, atomically (replaces ``out``;
+    a failed write leaves the previous checkpoint intact)."""
+    def extra(tmp: Path) -> None:
+        torch.save(trainer_state, tmp / STATE_NAME)
+        (tmp / LOG_NAME).write_text("".join(line + "\n" for line in log_lines))
+
+    save_draft_dir(out, config, state_dict, overwrite=True, write_extra=extra)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    f = Path(path) / STATE_NAME
+    if not f.is_file():
+        raise FastMTPError(f"{path} has no {STATE_NAME}: it is not a checkpoint `fastmtp train` "
+                           "wrote, so it cannot be resumed (use it as --init instead)")
+    state = torch.load(f, map_location="cpu", weights_only=True)
+    if state.get("format") != STATE_FORMAT:
+        raise FastMTPError(f"{f} has trainer-state format {state.get('format')!r}; expected {STATE_FORMAT}")
+    return state
+
+
+@dataclass
+class RunState:
+    """What a checkpoint saves: the head, optimizer and schedule, the position in the data, the
+    last held-out score and the log (``records``: this process's; ``log_lines``: the whole run's)."""
+    cfg: TrainConfig
+    out: Path
+    init: str | Path | None
+    draft: DraftDir
+    head: FastMTPHead
+    proj: Projection
+    data: TrainData
+    features: str | Path | None
+    feature_dtype: str
+    vocab_name: str | None
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    n_batches: int                    # micro-batches per epoch
+    total: int                        # optimizer steps of the whole run
+    epoch: int = 0
+    batch_pos: int = 0                # micro-batches of this epoch done
+    global_step: int = 0
+    last_eval: dict[str, Any] | None = None
+    log_lines: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    wrote_out: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.enorm.weight.device
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        line = json.dumps(rec)
+        self.log_lines.append(line)
+        if self.wrote_out:  # live tail in the directory this run owns
+            with (self.out / LOG_NAME).open("a") as f:
+                f.write(line + "\n")
+
+    def checkpoint(self, finished: bool) -> None:
+        """Write the checkpoint at ``out``; from then on log records are appended there too."""
+        trainer_state = self._trainer_state()
+        config = self._draft_config(finished)
+        write_checkpoint(self.out, config, self.head.state_dict(), trainer_state, self.log_lines)
+        self.wrote_out = True
+
+    def _trainer_state(self) -> dict[str, Any]:
+        cfg, features = self.cfg, self.features
+        return {
+            "format": STATE_FORMAT, "config": asdict(cfg), "head": {k: v.detach().cpu().clone()
+                                                                   for k, v in self.head.state_dict().items()},
+            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "epoch": self.epoch, "batch_in_epoch": self.batch_pos, "global_step": self.global_step,
+            "rng": torch.get_rng_state(), "last_eval": self.last_eval,
+            "data": {"path": str(self.data.path), "sha256": self.data.sha256},
+            "vocab_ids": self.proj.vocab_ids.cpu() if self.proj.vocab_ids is not None else None,
+            "features": str(features) if features is not None else None,
+            "feature_dtype": self.feature_dtype if features is not None else None,
+        }
+
+    def _draft_config(self, finished: bool) -> dict[str, Any]:
+        """The draft's config.json with what trained it under ``fastmtp``."""
+        cfg, ds, proj, init, last_eval = self.cfg, self.data, self.proj, self.init, self.last_eval
+        epoch, batch_pos = self.epoch, self.batch_pos
+        config = json.loads(json.dumps(self.draft.config))
+        meta = config.setdefault("fastmtp", {})
+        meta["trained_steps"] = cfg.train_steps
+        meta["step_weights"] = [round(w, 6) for w in cfg.weights]
+        meta["training"] = {
+            "mode": "vanilla" if cfg.vanilla else "fastmtp",
+            "attention": cfg.attention,
+            "data": str(ds.path), "data_sha256": ds.sha256, "data_counts": asdict(ds.counts),
+            "sequences_train": len(ds.train_idx), "sequences_heldout": len(ds.held_idx),
+            "optimizer_steps": self.global_step, "optimizer_steps_total": self.total, "finished": finished,
+            "epochs_done": epoch if batch_pos == 0 else epoch + (batch_pos / self.n_batches),
+            "last_train": _last_train(self.records, self.log_lines),
+            "heldout": last_eval,
+            "tau_train": (last_eval or {}).get("tau_train"),
+            "vocab": {"name": self.vocab_name, "size": proj.size} if proj.vocab_ids is not None else None,
+            "init": str(init) if init is not None else self.draft.meta.get("training", {}).get("init"),
+            "config": asdict(cfg),
+        }
+        return config
+
+
+def _last_train(records: list[dict[str, Any]], log_lines: list[str]) -> dict[str, Any] | None:
+    """Mean loss / accuracy over the most recent (up to 50) optimizer steps."""
+    steps = [r for r in records if r.get("event") == "step"]
+    if not steps:
+        steps = [json.loads(ln) for ln in log_lines[-200:]]
+        steps = [r for r in steps if r.get("event") == "step"]
+    steps = steps[-50:]
+    if not steps:
+        return None
+    k = len(steps[0]["loss_k"])
+
+    def mean(vals: Iterable[float | None]) -> float | None:
+        v = [x for x in vals if x is not None]
+        return sum(v) / len(v) if v else None
+
+    return {"steps": len(steps), "loss": mean(r["loss"] for r in steps),
+            "loss_k": [mean(r["loss_k"][i] for r in steps) for i in range(k)],
+            "acc_k": [mean(r["acc_k"][i] for r in steps) for i in range(k)]}

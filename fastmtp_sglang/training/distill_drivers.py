@@ -1,0 +1,194 @@
+"""The engines `fastmtp distill` generates with: a server over HTTP (``/generate`` requests with
+retries, ``--concurrency`` of them at once on a thread pool) or the target in this process
+(fastmtp_sglang.decode.batch_gen's slot generator, ``--batch-size`` rows at once). Both answer a
+job with a Future of a server-shaped reply."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from fastmtp_sglang.serving import client
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.distill_prompts import Job
+
+if TYPE_CHECKING:
+    from fastmtp_sglang.training.distill_config import DistillConfig
+
+MAX_BACKOFF_S = 60.0
+
+
+# ----------------------------------------------------------------------------------------------
+# requests
+# ----------------------------------------------------------------------------------------------
+
+class Refused(Exception):
+    """The server refused the request (4xx): not worth retrying."""
+
+
+class Unreachable(Exception):
+    """The server could not be reached after all retries."""
+
+
+class GeneratorStopped(Exception):
+    """The in-process generator failed as a whole (not one request's fault)."""
+
+
+def request_with_retries(url: str, job: Job, retries: int, backoff: float, timeout: float,
+                         sleep: Callable[[float], None] = time.sleep) -> tuple[dict, int]:
+    """(the server's reply, retries used). Raises Refused on 4xx (but 408 / 429, which are
+    retried), Unreachable when the connection kept failing, ServerError on a lasting 5xx."""
+    attempt = 0
+    while True:
+        try:
+            out = client.generate(url, input_ids=job.prompt_ids,
+                                  sampling_params=job.sampling_params, timeout=timeout)
+            if not isinstance(out, dict):
+                raise client.ServerError(url, 502, f"reply is not a JSON object: {str(out)[:80]}")
+            return out, attempt
+        except client.ServerError as exc:
+            if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                raise Refused(exc.message) from None
+            if attempt >= retries:
+                raise
+        except (FastMTPError, OSError, ValueError) as exc:  # cannot reach, timeout, bad JSON
+            if attempt >= retries:
+                raise Unreachable(str(exc)) from None
+        sleep(min(MAX_BACKOFF_S, backoff * 2 ** attempt))
+        attempt += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# engines: a server over HTTP, or the in-process slot generator
+# ----------------------------------------------------------------------------------------------
+
+class Backend:
+    """An engine: jobs in, Futures of server-shaped replies out."""
+
+    window: int       # requests in flight
+    describe: str
+    on_main_thread = False  # run() must be called on the main thread while drive() runs beside
+
+    def run(self) -> None:
+        """Compute until shutdown (only backends with ``on_main_thread``)."""
+
+    def prepare(self, jobs: list[Job]) -> None:
+        """Called once with every job of the run, before the first submit."""
+
+    def submit(self, job: Job) -> Future:
+        """A Future of (the server-shaped reply, retries used); raises Refused / ServerError."""
+        raise NotImplementedError
+
+    def shutdown(self, wait: bool) -> None:
+        raise NotImplementedError
+
+
+class HttpBackend(Backend):
+    def __init__(self, cfg: DistillConfig):
+        self.cfg = cfg
+        self.window = 2 * cfg.concurrency
+        self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="distill")
+        self.describe = f"server {cfg.url}, {cfg.concurrency} requests in flight"
+
+    def submit(self, job: Job) -> Future:
+        c = self.cfg
+        return self.pool.submit(request_with_retries, c.url, job, c.retries, c.backoff, c.timeout)
+
+    def shutdown(self, wait: bool) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+
+
+class LocalBackend(Backend):
+    """The target in this process, ``batch_size`` rows decoding at once (fastmtp_sglang.decode.batch_gen)."""
+
+    def __init__(self, cfg: DistillConfig, log: Callable[[str], None]):
+        from fastmtp_sglang.core.target import load_target
+
+        log(f"fastmtp distill: loading {cfg.target} ({cfg.dtype}) for in-process generation")
+        self.t = load_target(cfg.target, dtype=cfg.dtype)
+        self.tokenizer = self.t.tokenizer
+        if self.tokenizer is None:
+            raise FastMTPError(f"target {cfg.target} has no tokenizer")
+        self.cfg, self.log = cfg, log
+        self.window = 2 * cfg.batch_size
+        self.describe = f"in-process {cfg.target}, {cfg.dtype}, batch {cfg.batch_size}"
+        self.worker = None
+        self.on_main_thread = True
+
+    def prepare(self, jobs: list[Job]) -> None:
+        from fastmtp_sglang.decode.batch_gen import SlotGenerator, kv_cache_bytes
+
+        if not jobs:
+            return
+        max_pos = int(self.t.config.get("max_position_embeddings", 4096))
+        # positions per slot: the longest prompt of the run plus the response (a longer prompt
+        # than the context is refused per request by the generator)
+        max_len = min(max_pos, max(len(j.prompt_ids) for j in jobs) + self.cfg.max_new_tokens + 1)
+        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len,
+                              next(self.t.model.parameters()).element_size())
+        avail = _available_memory()
+        if avail is not None and need > 0.7 * avail:
+            raise FastMTPError(
+                f"the KV cache for --batch-size {self.cfg.batch_size} x {max_len} positions needs "
+                f"{need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB are available: lower "
+                "--batch-size or --max-new-tokens")
+        self.gen = SlotGenerator(self.t, self.cfg.batch_size, max_len)
+        self.log(f"fastmtp distill: {self.cfg.batch_size} slots x {max_len} positions, KV cache "
+                 f"{self.gen.cache_bytes / 2**30:.2f} GiB")
+        self.worker = self.gen.worker()  # run() on the main thread, see distill_loop.run_jobs
+
+    def run(self) -> None:
+        if self.worker is not None:
+            self.worker.run()
+
+    def submit(self, job: Job) -> Future:
+        from fastmtp_sglang.decode.batch_gen import GenRequest
+        from fastmtp_sglang.decode.sampling import SamplingParams
+
+        outer: Future = Future()
+        try:
+            params = SamplingParams.from_dict(dict(job.sampling_params))
+            inner = self.worker.submit(GenRequest(job.prompt_ids, params))
+        except RuntimeError as exc:
+            raise GeneratorStopped(str(exc)) from None
+        except ValueError as exc:
+            outer.set_exception(Refused(str(exc)))
+            return outer
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                r = f.result()
+                outer.set_result(({"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                                   "output_ids": r.output_ids,
+                                   "meta_info": {"finish_reason": r.finish_reason,
+                                                 "completion_tokens": len(r.output_ids)}}, 0))
+            elif isinstance(exc, ValueError):  # this prompt's fault: too long, bad parameters
+                outer.set_exception(Refused(str(exc)))
+            else:
+                outer.set_exception(GeneratorStopped(f"in-process generation failed: {exc!r}"))
+
+        inner.add_done_callback(done)
+        return outer
+
+    def shutdown(self, wait: bool) -> None:
+        """wait: finish the rows in flight; otherwise cancel them (an abort: nothing more is
+        written, a rerun asks again)."""
+        if self.worker is not None:
+            if wait:
+                self.worker.close(wait=False)  # run() returns once the last row is done
+            else:
+                self.worker.cancel()
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

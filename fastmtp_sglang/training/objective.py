@@ -1,0 +1,332 @@
+"""What the head is trained and scored on: the K-step recursion with the serve attention pattern
+(:func:`unroll`), the lm_head rows it scores (:class:`Projection`), the chunked CE / KL loss
+(:func:`batch_loss`), and training-time tau by simulated greedy acceptance (:func:`evaluate`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.training.config import ATTENTIONS
+from fastmtp_sglang.training.data import Batch, Example, HiddenStates, collate
+
+
+# ------------------------------------------------------------------------------------------------
+# the recursion and its attention pattern
+# ------------------------------------------------------------------------------------------------
+
+def serve_mask(length: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Keys step ``step`` of every anchor sees at serving time: bool [T, step * T].
+
+    Column block 1 (step-1 keys, position i) is causal: i <= j for the query of anchor j.
+    Column block s >= 2 (step-s keys of anchor i, position i+s-1) is diagonal: i == j.
+    """
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * (step - 1), dim=1)
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int | float = 0) -> torch.Tensor:
+    """out[:, j] = x[:, j + k]; the last k columns are ``fill``. x [B, T, ...]."""
+    out = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def unroll(head: FastMTPHead, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
+           attention: str = "serve") -> list[torch.Tensor]:
+    """The head's K recursive steps for every anchor of a batch of sequences.
+
+    Parameters
+    ----------
+    hidden : [B, T, H] the target's post-norm hidden states h_0..h_{T-1}.
+    input_ids : [B, T] the tokens x_0..x_{T-1} (right-padded; padding never reaches a real
+        anchor: every key a real query sees belongs to an earlier or the same anchor).
+    steps : K.
+    attention : "serve" (train as you serve) or "fastmtp" (step k at position j, causal over
+        step k's own keys at every prefix position).
+
+    Returns
+    -------
+    K tensors [B, T, H]: element k-1, column j is g^k_j, the step-k output hidden of anchor j,
+    whose logits predict x_{j+k+1}. Columns whose inputs run past the sequence are garbage.
+    """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    b, t = input_ids.shape
+    pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    outs: list[torch.Tensor] = []
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    g = hidden
+    for k in range(1, steps + 1):
+        ids_k = shift_left(input_ids, k)                                   # x_{j+k}
+        if attention == "serve":
+            g, kv = head.forward_train_step(g, ids_k, pos + (k - 1), past,
+                                            serve_mask(t, k, input_ids.device))
+            past.append(kv)
+        else:
+            g, _ = head.forward_train_step(g, ids_k, pos, [], serve_mask(t, 1, input_ids.device))
+        outs.append(g)
+    return outs
+
+
+# ------------------------------------------------------------------------------------------------
+# projection (full or compressed vocabulary) and the chunked loss
+# ------------------------------------------------------------------------------------------------
+
+class Projection:
+    """The lm_head rows the draft scores: all of them, or a compressed table's.
+
+    Parameters
+    ----------
+    lm_head : the target's output projection (``weight`` [V, H], optional ``bias`` [V]); frozen.
+    vocab_ids : optional [S] int64 full-vocabulary ids; logits are then [.., S] and
+        :meth:`labels` maps full ids to table indices (-1 = not in the table).
+    """
+
+    def __init__(self, lm_head: nn.Module, vocab_ids: torch.Tensor | None = None):
+        w = lm_head.weight.detach()
+        b = getattr(lm_head, "bias", None)
+        b = b.detach() if b is not None else None
+        self.full_size = w.shape[0]
+        self.vocab_ids = None
+        self.index = None
+        if vocab_ids is not None:
+            vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long).reshape(-1).to(w.device)
+            if vocab_ids.numel() == 0 or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= w.shape[0]:
+                raise FastMTPError(f"vocabulary table ids must lie in [0, {w.shape[0]}) (the target's "
+                                   "lm_head rows); this table was built for another model")
+            if vocab_ids.unique().numel() != vocab_ids.numel():
+                raise FastMTPError("vocabulary table holds repeated ids")
+            w = w[vocab_ids]
+            b = b[vocab_ids] if b is not None else None
+            self.vocab_ids = vocab_ids
+            self.index = torch.full((self.full_size,), -1, dtype=torch.long, device=w.device)
+            self.index[vocab_ids] = torch.arange(vocab_ids.numel(), device=w.device)
+        self.weight, self.bias = w, b
+
+    @property
+    def size(self) -> int:
+        return self.weight.shape[0]
+
+    def labels(self, full_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary ids -> logit columns (-1 where the table lacks the id)."""
+        return full_ids if self.index is None else self.index[full_ids]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> fp32 logits [..., S]."""
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()
+
+
+def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Tensor,
+                 target_h: torch.Tensor | None, topk_ids: torch.Tensor | None = None,
+                 topk_logp: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE sum over in-table labels, KL sum, correct count) of one chunk. g [N, H], labels [N].
+
+    KL is exact from ``target_h`` [N, H] (the target's logits recomputed), or, with ``topk_ids``
+    / ``topk_logp`` [N, k] from the feature cache, the KL of the two distributions coarsened to
+    {the target's top-k tokens, everything else} (kl_topk_terms)."""
+    logits = proj(g)                                                        # [N, S]
+    zero = logits.new_zeros(())
+    ce = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") if "ce" in kind else zero
+    kl = zero
+    if "kl" in kind:
+        logq = F.log_softmax(logits, dim=-1)
+        if topk_ids is not None:
+            kl = kl_topk_terms(logq, proj.labels(topk_ids), topk_logp).sum()
+        else:
+            with torch.no_grad():
+                logp_t = F.log_softmax(proj(target_h), dim=-1)              # [N, S]
+            kl = (logp_t.exp() * (logp_t - logq)).sum()
+    correct = (logits.detach().argmax(-1) == labels).sum()
+    return ce, kl, correct
+
+
+def kl_topk_terms(logq: torch.Tensor, cols: torch.Tensor, logp: torch.Tensor,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """KL(p || q) per row over the partition {top-k tokens of p} + {the rest}.
+
+    logq [N, S] the draft's log-probabilities; cols [N, k] the target's top-k tokens as logit
+    columns (-1: outside a compressed table, so the draft cannot score it: it joins "the rest");
+    logp [N, k] the target's log-probabilities of those tokens (over the full vocabulary).
+    Coarsening never increases a KL, so this is a lower bound of the exact one that is tight when
+    the top-k hold the target's mass (k=32 holds >0.99 of it at most positions of a chat model).
+    Returns [N].
+    """
+    inside = cols >= 0
+    p = logp.exp() * inside                                                 # [N, k]
+    lq = logq.gather(-1, cols.clamp(min=0))                                 # [N, k]
+    top = (p * (logp - lq)).sum(-1)
+    rest_p = (1 - p.sum(-1)).clamp(min=eps)
+    rest_q = (1 - (lq.exp() * inside).sum(-1)).clamp(min=eps)
+    return top + rest_p * (rest_p.log() - rest_q.log())
+
+
+def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
+                    target_h: torch.Tensor | None = None, kind: str = "ce", chunk: int = 1024,
+                    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's loss sums over N selected positions, in chunks of ``chunk`` rows.
+
+    g : [N, H] draft output hidden states; labels : [N] logit columns (-1 = outside the table:
+    no CE, counted wrong); target_h : [N, H] the target's hidden states whose logits predict the
+    same tokens (needed for KL). Each chunk's projection and loss run inside
+    ``torch.utils.checkpoint``, so backward recomputes the [chunk, V] logits instead of keeping
+    them; ``chunk=0`` computes everything in one pass without checkpointing (the reference).
+
+    Returns (CE sum, KL sum, number of argmax hits), each a 0-d tensor.
+    """
+    n = g.shape[0]
+    ti, tl = topk if topk is not None else (None, None)
+    if chunk <= 0 or n == 0:
+        return _chunk_terms(proj, kind, g, labels, target_h, ti, tl)
+    ce = kl = g.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.long, device=g.device)
+    for s in range(0, n, chunk):
+        th = target_h[s:s + chunk] if target_h is not None else None
+        c, k, hit = checkpoint(_chunk_terms, proj, kind, g[s:s + chunk], labels[s:s + chunk], th,
+                               ti[s:s + chunk] if ti is not None else None,
+                               tl[s:s + chunk] if tl is not None else None,
+                               use_reentrant=False)
+        ce, kl, correct = ce + c, kl + k, correct + hit
+    return ce, kl, correct
+
+
+def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, weights: list[float],
+               kind: str = "ce", attention: str = "serve", chunk: int = 1024,
+               labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, list]]:
+    """sum_k w_k L_k over one batch, and per-step statistics.
+
+    ``labels`` [B, T] are the ground-truth tokens (default: ``batch.input_ids``); step k at anchor
+    j is scored against labels[:, j+k+1] where ``loss_mask`` holds there (response tokens only).
+
+    Returns (loss, stats) with stats lists over steps: ``loss`` (L_k), ``correct``, ``targets``
+    (scored positions), ``in_table`` (targets inside a compressed vocabulary).
+    """
+    if len(weights) != steps:
+        raise ValueError(f"{len(weights)} weights for {steps} steps")
+    labels = batch.input_ids if labels is None else labels
+    gs = unroll(head, batch.hidden, batch.input_ids, steps, attention)
+    total = batch.hidden.new_zeros((), dtype=torch.float32)
+    stats: dict[str, list] = {"loss": [], "correct": [], "targets": [], "in_table": []}
+    for k, (g, w) in enumerate(zip(gs, weights), start=1):
+        sel = shift_left(batch.loss_mask, k + 1, False)                    # target x_{j+k+1} scored
+        lab = proj.labels(shift_left(labels, k + 1)[sel])                  # [N]
+        th = tk = None
+        if "kl" in kind and batch.topk_ids is not None:                     # cached top-k at j+k
+            tk = (shift_left(batch.topk_ids, k)[sel], shift_left(batch.topk_logp, k)[sel])
+        elif "kl" in kind:
+            th = shift_left(batch.hidden, k)[sel]                           # h_{j+k} predicts x_{j+k+1}
+        ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
+        n = int(sel.sum())
+        n_in = int((lab >= 0).sum())
+        lk = ce / max(n_in, 1) + kl / max(n, 1)
+        total = total + w * lk
+        stats["loss"].append(float(lk.detach()))
+        stats["correct"].append(int(hit))
+        stats["targets"].append(n)
+        stats["in_table"].append(n_in)
+    return total, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# training-time tau: simulated greedy acceptance with the serve pattern
+# ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def draft_hits(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, chunk: int = 1024
+               ) -> torch.Tensor:
+    """hits [B, K, T] bool: step k's argmax at anchor j equals x_{j+k+1} (serve pattern)."""
+    gs = unroll(head, batch.hidden, batch.input_ids, steps, "serve")
+    b, t = batch.input_ids.shape
+    hits = torch.zeros(b, steps, t, dtype=torch.bool, device=batch.input_ids.device)
+    for k, g in enumerate(gs, start=1):
+        flat = g.reshape(b * t, -1)
+        step = chunk if chunk > 0 else b * t
+        pred = torch.cat([proj(flat[s:s + step]).argmax(-1) for s in range(0, b * t, step)])
+        hits[:, k - 1] = pred.view(b, t) == proj.labels(shift_left(batch.input_ids, k + 1))
+    return hits
+
+
+def acceptance(hits: torch.Tensor, prompt_len: int, length: int) -> tuple[list[int], list[int]]:
+    """Accepted drafts of one sequence from its hits [K, T].
+
+    Returns (per_anchor, walk). ``per_anchor``: the leading-hit count at every anchor j with
+    x_{j+1} in the response and all K targets inside the sequence (prompt_len-1 <= j <= length-K-2).
+    ``walk``: the accepted count of each cycle a greedy server would run on this text, starting at
+    anchor prompt_len-1 (the first response token comes from prefill) and moving to j + a + 1; a
+    cycle near the end scores only the targets the text has.
+    """
+    steps = hits.shape[0]
+    run = hits[:, :length].long().cumprod(0)                                # [K, L] leading hits
+    lead = run.sum(0).tolist()
+    per_anchor = lead[max(prompt_len - 1, 0): max(length - steps - 1, 0)]
+    walk = []
+    j = max(prompt_len - 1, 0)
+    while j <= length - 3:                                                  # >= 1 target left
+        avail = min(steps, length - 2 - j)
+        a = int(run[:avail, j].sum())
+        walk.append(a)
+        j += a + 1
+    return per_anchor, walk
+
+
+def tau_summary(per_anchor: list[int], walk: list[int], steps: int) -> dict[str, Any]:
+    n = len(per_anchor)
+    return {
+        "tau_train": 1 + sum(per_anchor) / n if n else None,
+        "A_k": [sum(1 for a in per_anchor if a >= k) / n if n else None for k in range(1, steps + 1)],
+        "anchors": n,
+        "tau_walk": 1 + sum(walk) / len(walk) if walk else None,
+        "cycles": len(walk),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation on held-out sequences
+# ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(head: FastMTPHead, hidden_fn, examples: list[tuple[int, Example]], proj: Projection,
+             steps: int, batch_size: int = 4, chunk: int = 1024) -> dict[str, Any]:
+    """Training-time tau (and per-step top-1 accuracy) on ``(index, example)`` pairs."""
+    was_training = head.training
+    head.eval()
+    device = head.enorm.weight.device
+    per_anchor: list[int] = []
+    walk: list[int] = []
+    hit_k = [0] * steps
+    n_k = [0] * steps
+    for s in range(0, len(examples), batch_size):
+        chunk_ex = examples[s:s + batch_size]
+        batch = collate([e for _, e in chunk_ex], [hidden_fn(i, e.ids) for i, e in chunk_ex], device)
+        hits = draft_hits(head, batch, proj, steps, chunk)
+        for r, (_, e) in enumerate(chunk_ex):
+            pa, w = acceptance(hits[r], e.prompt_len, len(e.ids))
+            per_anchor += pa
+            walk += w
+        for k in range(1, steps + 1):
+            sel = shift_left(batch.loss_mask, k + 1, False)
+            hit_k[k - 1] += int(hits[:, k - 1][sel].sum())
+            n_k[k - 1] += int(sel.sum())
+    head.train(was_training)
+    out = tau_summary(per_anchor, walk, steps)
+    out["acc_k"] = [h / n if n else None for h, n in zip(hit_k, n_k)]
+    return out
+
+
+def training_tau(head: FastMTPHead, target, examples: list[Example], steps: int,
+                 vocab_ids: torch.Tensor | None = None, batch_size: int = 4) -> dict[str, Any]:
+    """Training-time tau of a head on examples (for benchmarks: compare with served tau)."""
+    hs = HiddenStates(target.model)
+    return evaluate(head, hs, list(enumerate(examples)), Projection(target.lm_head, vocab_ids),
+                    steps, batch_size)
+
