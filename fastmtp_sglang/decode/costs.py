@@ -1,0 +1,205 @@
+"""The cost curve that decides whether speculation pays on this machine.
+
+Measured through the reference engine's own calls (the target forward plus its lm_head over n new
+tokens, the head's draft step plus its projection, the head's draft extend over n positions), at
+batch 1 after a ``context``-token cache, with warm-up, the order of the shapes rotated between
+repeats, and medians. Beside every cost stands its memory-bound floor: the bytes of weights the
+call must read once, divided by this machine's measured read bandwidth (a large fp32 sum).
+
+The cost model of docs/design.md section 2 reads off it: a cycle at K costs
+``verify(K + 1) + (K - 1) * draft_step + extend(accepted + 1)`` and emits ``1 + accepted`` tokens.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and the flags that decide which kernels are fast (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            if key.strip() == "flags" and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni",
+              "avx_vnni", "fma")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "threads": torch.get_num_threads()}
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 7) -> float:
+    """Bytes per second of one core team reading a ``mib`` MiB fp32 buffer (median of repeats)."""
+    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    x.sum()  # first touch
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Bytes of the distinct parameter tensors of ``module`` (tied weights counted once), without
+    those of ``exclude``."""
+    skip = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    seen, total = set(), 0
+    for p in module.parameters():
+        ptr = p.data_ptr()
+        if ptr in seen or ptr in skip:
+            continue
+        seen.add(ptr)
+        total += p.numel() * p.element_size()
+    return total
+
+
+@dataclass
+class CostCurve:
+    """Milliseconds per call at batch 1, and each call's memory-bound floor (ms)."""
+    cpu: dict[str, Any]
+    dtype: str
+    context: int
+    bandwidth_gbs: float
+    target_weight_mb: float
+    verify_ms: dict[int, float]                 # n new tokens -> target forward + lm_head
+    verify_floor_ms: float
+    draft_step_ms: float | None = None          # head step + projection (+ argmax)
+    draft_floor_ms: float | None = None
+    extend_ms: dict[int, float] = field(default_factory=dict)   # head over n target positions
+    spread: dict[str, float] = field(default_factory=dict)      # (max - min) / median per shape
+
+    @property
+    def plain_ms(self) -> float:
+        return self.verify_ms[1]
+
+    def verify_ratio(self, n: int) -> float:
+        """verify(n) / plain step: 1.0 means verifying n tokens is free."""
+        return self.verify_ms[n] / self.plain_ms
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["plain_ms"] = self.plain_ms
+        d["plain_over_floor"] = self.plain_ms / self.verify_floor_ms
+        d["verify_ratio"] = {n: self.verify_ratio(n) for n in self.verify_ms}
+        return d
+
+
+def _median_ms(fn, repeats: int) -> tuple[float, float]:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    med = statistics.median(times)
+    return med, (max(times) - min(times)) / med
+
+
+@torch.inference_mode()
+def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
+            context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512) -> CostCurve:
+    """Time the calls of one speculative cycle at batch 1 (see the module docstring).
+
+    ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
+    target's costs); ``draft_vocab``: the DraftVocab the engine drafts over, or None (full
+    vocabulary). ``ns``: the numbers of new tokens per target forward (1 = a plain step);
+    ``bandwidth_mib``: size of the buffer the read bandwidth is measured on."""
+    from transformers import DynamicCache
+
+    model, dev = target.model, next(target.model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    vocab = int(target.lm_head.weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context + max(ns)), generator=gen).to(dev)
+    cache = DynamicCache()
+    out = model.model(input_ids=ids[:, :context], position_ids=torch.arange(context, device=dev)[None],
+                      attention_mask=torch.ones(1, context, dtype=torch.long, device=dev),
+                      past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state                                              # [1, context, H]
+
+    def verify(n: int):
+        pos = torch.arange(context, context + n, device=dev)[None]
+        mask = torch.ones(1, context + n, dtype=torch.long, device=dev)
+        h = model.model(input_ids=ids[:, context:context + n], position_ids=pos, attention_mask=mask,
+                        past_key_values=cache, use_cache=True).last_hidden_state
+        target.lm_head(h).float().argmax(-1)
+        cache.crop(-n)
+
+    calls: dict[str, Any] = {f"verify{n}": (lambda n=n: verify(n)) for n in ns}
+    if head is not None:
+        dcache = head.new_cache(1, context + max(ns) + 2, device=dev)
+        head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None], dcache,
+             return_logits=False)
+        g0 = hidden[:, -1]
+        tok = ids[:, context:context + 1]
+
+        def draft_step():
+            g, _ = head(g0[:, None], tok, torch.tensor([[context]], device=dev), dcache, return_logits=False)
+            g = g[:, 0]
+            if draft_vocab is None:
+                head.project(g).float().argmax(-1)
+            else:
+                tidx = torch.zeros(1, dtype=torch.long, device=dev)
+                draft_vocab.greedy(g, tidx, None)
+
+        def extend(n: int):
+            pos = torch.arange(context, context + n, device=dev)[None]
+            head(hidden[:, -n:], ids[:, context:context + n], pos, dcache, return_logits=False)
+
+        calls["draft_step"] = draft_step
+        calls.update({f"extend{n}": (lambda n=n: extend(n)) for n in ns})
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):  # rotate the order, so slow drift hits every shape alike
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            t = time.perf_counter()
+            calls[name]()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    spread = {n: (max(v) - min(v)) / med[n] for n, v in times.items()}
+    bw = read_bandwidth(bandwidth_mib)
+    tbytes = weight_bytes(model)
+    curve = CostCurve(cpu=cpu_description(), dtype=str(dtype).replace("torch.", ""), context=context,
+                      bandwidth_gbs=bw / 1e9, target_weight_mb=tbytes / 1e6,
+                      verify_ms={n: med[f"verify{n}"] for n in ns}, verify_floor_ms=tbytes / bw * 1e3,
+                      spread=spread)
+    if head is not None:
+        rows = (draft_vocab.table_weight[0].numel() * draft_vocab.table_weight.element_size()
+                if draft_vocab is not None else target.lm_head.weight.numel() * target.lm_head.weight.element_size())
+        hbytes = weight_bytes(head, exclude=target.model) + rows
+        curve.draft_step_ms = med["draft_step"]
+        curve.draft_floor_ms = hbytes / bw * 1e3
+        curve.extend_ms = {n: med[f"extend{n}"] for n in ns}
+    return curve
+
+
+def markdown(curve: CostCurve) -> str:
+    c = curve
+    lines = [f"CPU: {c.cpu['model']} ({', '.join(c.cpu['flags']) or 'no avx2'}), {c.cpu['threads']} threads; "
+             f"{c.dtype}; {c.context}-token cache; read bandwidth {c.bandwidth_gbs:.1f} GB/s",
+             "", "| call | ms | x plain step | memory floor ms | x floor |", "|---|---|---|---|---|"]
+    for n, ms in c.verify_ms.items():
+        what = "plain step (1 token)" if n == 1 else f"verify {n} tokens"
+        lines.append(f"| {what} | {ms:.2f} | {ms / c.plain_ms:.2f} | {c.verify_floor_ms:.2f} | "
+                     f"{ms / c.verify_floor_ms:.1f} |")
+    if c.draft_step_ms is not None:
+        lines.append(f"| draft step | {c.draft_step_ms:.2f} | {c.draft_step_ms / c.plain_ms:.2f} | "
+                     f"{c.draft_floor_ms:.2f} | {c.draft_step_ms / c.draft_floor_ms:.1f} |")
+        for n, ms in c.extend_ms.items():
+            lines.append(f"| draft extend, {n} positions | {ms:.2f} | {ms / c.plain_ms:.2f} | | |")
+    return "\n".join(lines) + "\n"
