@@ -47,3 +47,16 @@ def test_measure_without_a_head_times_the_target_only():
 def test_cpu_description_names_the_cpu():
     d = cpu_description()
     assert d["model"] and isinstance(d["flags"], list) and d["threads"] >= 1
+
+
+def test_dtype_auto_follows_the_cpus_bf16_units():
+    from fastmtp_sglang.core.hardware import auto_dtype_name, fast_bf16
+    from fastmtp_sglang.core.target import parse_dtype
+
+    avx2 = frozenset({"avx2", "fma"})
+    assert not fast_bf16(avx2) and auto_dtype_name("cpu", avx2) == "float32"
+    assert auto_dtype_name("cpu", avx2 | {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert auto_dtype_name("cpu", avx2 | {"amx_tile", "amx_bf16"}) == "bfloat16"
+    assert auto_dtype_name("cuda", avx2) == "bfloat16"
+    assert parse_dtype("auto") == (torch.bfloat16 if fast_bf16() else torch.float32)
+    assert parse_dtype("auto", "cuda:0") == torch.bfloat16

@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
         samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
                                  not args.no_progress, draft_vocab=vocab)
         vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
-        meta.update(engine=f"reference engine in-process, {args.dtype}, batch 1, {vdesc}",
-                    vocab=None if vocab is None else vocab.tables.names, dtype=args.dtype)
+        dtype = str(target.model.dtype).replace("torch.", "")
+        meta.update(engine=f"reference engine in-process, {dtype}, batch 1, {vdesc}",
+                    vocab=None if vocab is None else vocab.tables.names, dtype=dtype)
     meta["prompts"] = len(prompts)
     results = summarize(samples, cfg)
     write_results(Path(args.out), results, meta, samples)
@@ -130,8 +131,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "(max - min) / median of one K's tokens/s over repeats before the run is called "
                    "contaminated (default 0.15)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
-                   help="in-process target dtype (default bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="in-process target dtype (default auto: bfloat16 where the CPU has bf16 units, "
+                        "avx512_bf16 or AMX, or on CUDA; float32 elsewhere)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab", default=None, help="draft vocabulary (in-process): default the "
                    "draft's own tables if it lists any, else full; full; "

@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     log(f"demo: target {target_dir}")
     log(f"demo: draft  {draft} ({what})")
     target = load_target(target_dir, dtype=args.dtype)
+    dtype = str(target.model.dtype).replace("torch.", "")
+    if args.dtype == "auto":
+        log(f"demo: dtype {dtype} (auto: {'this CPU has bf16 units' if dtype == 'bfloat16' else 'no bf16 units on this CPU, where emulated bf16 is slower than fp32'})")
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
     cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens,
                       repeats=args.repeats,
@@ -79,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp " + " ".join(sys.argv[1:]),
             "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
-            "prompts": len(prompts), "engine": f"reference engine, {args.dtype}, batch 1",
-            "dtype": args.dtype}
+            "prompts": len(prompts), "engine": f"reference engine, {dtype}, batch 1",
+            "dtype": dtype}
     print(markdown(results, meta))
     bad = contamination_text(results["timing_check"])
     if bad:
@@ -105,8 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "a minute and a half with the defaults)")
     p.add_argument("--prompts", type=int, default=6, help="how many shipped prompts (default 6 of 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="target dtype (default bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="target dtype (default auto: bfloat16 where the CPU has bf16 units, avx512_bf16 "
+                        "or AMX; float32 elsewhere, where emulated bf16 is slower)")
     p.add_argument("--vocab", default=None, help="draft vocabulary: the draft's tables if any "
                    "(default), full, auto "
                    "(shipped tables, per request) or table files")

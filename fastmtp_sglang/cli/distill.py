@@ -65,8 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="with --target: rows decoded "
                    "together (default 64; 2-core CPU, 135M model: 224 response tokens/s, 22x batch 1; "
                    "128 is no faster; bench/results/distill_throughput)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
-                   help="with --target: model dtype (default bfloat16)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16", "auto"),
+                   help="with --target: model dtype (default bfloat16; auto = bfloat16 on CPUs with bf16 "
+                        "units or CUDA, float32 elsewhere)")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="prompt files (JSONL: training {id, source, prompt}, Spec-Bench, C-Eval, "
                         "{prompt|text})")

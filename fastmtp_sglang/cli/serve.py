@@ -125,7 +125,7 @@ def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
     eng = server.engine
     print(f"fastmtp serve: reference engine, target {args.target}, "
           + (f"draft {args.draft}, K={eng.steps}" if eng.steps else "no drafts (K=0)")
-          + f", {args.dtype} on {args.device}, context {eng.max_context}, "
+          + f", {str(eng.model.dtype).replace('torch.', '')} on {args.device}, context {eng.max_context}, "
           f"max batch {server.max_batch}", flush=True)
     print(f"fastmtp serve: listening on {server.url} (Ctrl-C or SIGTERM to stop)", flush=True)
     stopped = server.serve_forever()
@@ -180,9 +180,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default the draft's own tables if it lists any, else full; full; auto "
                         "(the draft's tables, else the shipped ones for the target's tokenizer); "
                         "or table files. SGLang's global --speculative-token-map can go after `--`")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
                    help="reference engine: weights dtype (default float32, where greedy output "
-                        "is exactly the target's)")
+                        "is exactly the target's; auto = bfloat16 on CPUs with bf16 units or CUDA)")
     p.add_argument("--device", default="cpu", help="reference engine: torch device (default cpu)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="reference engine: most requests run as one batch (default 8)")

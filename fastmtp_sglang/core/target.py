@@ -10,19 +10,24 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError, MismatchError
+from fastmtp_sglang.core.hardware import auto_dtype_name
 from fastmtp_sglang.core.identity import config_hash, tokenizer_hash
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype name (or ``auto``: bf16 on CUDA and on CPUs with bf16 units, fp32 elsewhere; see
+    fastmtp_sglang.core.hardware) -> the torch dtype."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        name = auto_dtype_name(device)
     try:
         return DTYPES[name]
     except KeyError:
-        raise FastMTPError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+        raise FastMTPError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, auto") from None
 
 
 @dataclass
@@ -69,7 +74,7 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
                            "directory (this tool never downloads)")
     cfg = read_target_config(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype),
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype, device),
                                                      local_files_only=True)
     except (OSError, ValueError) as exc:
         raise FastMTPError(f"cannot load target {path}: {exc}") from None

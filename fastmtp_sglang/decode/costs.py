@@ -12,31 +12,21 @@ The cost model of docs/design.md section 2 reads off it: a cycle at K costs
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
+
 
 def cpu_description() -> dict[str, Any]:
-    """The CPU's model name and the flags that decide which kernels are fast (from /proc/cpuinfo)."""
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni",
-              "avx_vnni", "fma")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "threads": torch.get_num_threads()}
+    """The CPU's model name, the flags that decide which kernels are fast, and torch's threads."""
+    flags = cpu_flags()
+    return {"model": cpu_model(), "flags": [f for f in REPORTED_FLAGS if f in flags],
+            "threads": torch.get_num_threads()}
 
 
 def read_bandwidth(mib: int = 512, repeats: int = 7) -> float:

@@ -46,7 +46,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     from fastmtp_sglang.serving.app import ReferenceServer
     from fastmtp_sglang.core.target import load_target, parse_dtype, require_fits
 
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype, device)
     target_model = load_target(target, dtype, device)
     head = None
     if draft is not None:
