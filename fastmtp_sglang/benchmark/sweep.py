@@ -20,16 +20,22 @@ are many times slower, and a concurrent job on 2 cores swings ratios wildly):
 - the **order of K rotates** from prompt to prompt (and repeat to repeat), so drift hits every K
   alike;
 - ``repeats`` runs of the prompt set (default 3), tokens/s is the **median** over repeats;
+- speedups are **paired**: each arm over the K=0 run of the same prompt and repeat, which ran
+  next to it (``paired_speedups``: per repeat the geometric mean over prompts, then the median
+  over repeats), so a machine whose speed drifts slowly over the run does not bias them;
 - a **sanity guard** (``timing_guard``) marks the run *contaminated* when the numbers break their
   own physics: a speedup above ``tau * t0 / (t0 + draft ms per cycle)`` (a cycle verifies K+1
   tokens, which costs at least one plain step t0, and drafts K), a verification of K+1 tokens
-  measured cheaper than a plain step, or tokens/s at one K varying across repeats by more than
-  ``max_spread``. A contaminated report shows no speedups, only the reasons.
+  measured cheaper than a plain step, or one arm's paired speedup varying across repeats by more
+  than ``max_spread`` (raw tokens/s may drift with the machine: that is reported as
+  ``plain_drift``, not counted against the run). A contaminated report shows no speedups, only
+  the reasons.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -146,14 +152,15 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
                                     for k in cfg.ngram_steps},
                         "categories": {c: {k: _stats(_group(samples, k, c, "ngram"), k, cfg.repeats)
                                            for k in cfg.ngram_steps} for c in cats}}
-    for block, base_block in [(res["overall"], res["overall"]),
-                              *[(res["categories"][c], res["categories"][c]) for c in cats],
-                              *([(res["ngram"]["overall"], res["overall"])]
-                                + [(res["ngram"]["categories"][c], res["categories"][c]) for c in cats]
-                                if cfg.ngram_steps else [])]:
-        base = base_block[0]["tokens_per_s"]
-        for r in block.values():
-            r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
+    blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
+    if cfg.ngram_steps:
+        blocks += [("ngram", None, res["ngram"]["overall"]),
+                   *[("ngram", c, res["ngram"]["categories"][c]) for c in cats]]
+    for drafter, cat, block in blocks:
+        for k, r in block.items():
+            reps = paired_speedups(samples, k, drafter, cat, cfg.repeats)
+            r["speedup_repeats"] = reps
+            r["speedup"] = statistics.median(reps) if reps else 0.0
     if cfg.temperature == 0:
         base = {s.prompt_id: s.output_ids for s in samples if s.steps == 0}
         for drafter, k in cfg.arms:
@@ -164,6 +171,32 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
                 blk[k]["same_output_as_k0"] = f"{same}/{len(grp)}"
     res["timing_check"] = timing_guard(res, cfg)
     return res
+
+
+def _decode_tps(s: Sample) -> float:
+    toks = s.completion_tokens - (1 if s.verify_ct else 0)
+    return toks / s.seconds if s.seconds > 0 else 0.0
+
+
+def paired_speedups(samples: list[Sample], k: int, drafter: str, category: str | None,
+                    repeats: int) -> list[float]:
+    """Speedup of one arm over plain decoding, per repeat, from paired runs.
+
+    Each (prompt, repeat) runs every arm back to back, so the arm and its K=0 run see the same
+    machine: their ratio of decode tokens/s cancels a machine whose speed drifts slowly (a VM whose
+    plain step went from 87 to 43 ms over one session). Per repeat, the geometric mean of the
+    per-prompt ratios; K=0 against itself is 1.0."""
+    base = {(s.prompt_id, s.repeat): _decode_tps(s) for s in _group(samples, 0, category)}
+    out = []
+    for rep in range(repeats):
+        logs = []
+        for s in _group(samples, k, category, drafter):
+            b = base.get((s.prompt_id, s.repeat))
+            if s.repeat == rep and b and _decode_tps(s) > 0:
+                logs.append(math.log(_decode_tps(s) / b))
+        if logs:
+            out.append(math.exp(sum(logs) / len(logs)))
+    return out
 
 
 def rotated(steps: list, i: int) -> list:
@@ -208,24 +241,29 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     if "ngram" in res:
         problems += _block_problems({0: res["overall"][0], **res["ngram"]["overall"]}, cfg,
                                     "prompt lookup")
+    # run-to-run: the paired speedup (arm / K=0 on the same prompt and repeat) must agree across
+    # repeats; raw tokens/s may drift with the machine without contaminating anything
     spreads = {}
-    arms = ([(f"K={k}", r) for k, r in res["overall"].items()]
+    arms = ([(f"K={k}", r) for k, r in res["overall"].items() if k]
             + [(f"prompt lookup K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()])
     for label, r in arms:
-        reps = [x for x in r.get("tokens_per_s_repeats", []) if x > 0]
+        reps = [x for x in r.get("speedup_repeats", []) if x > 0]
         if len(reps) >= 2:
             spread = (max(reps) - min(reps)) / statistics.median(reps)
             spreads[label] = spread
             if spread > cfg.max_spread:
-                problems.append(f"{label}: tokens/s varied by {100 * spread:.0f}% across "
-                                f"{len(reps)} repeats (bound {100 * cfg.max_spread:.0f}%): "
-                                "something else was using the CPU")
+                problems.append(f"{label}: its speedup over K=0 on the same prompts varied by "
+                                f"{100 * spread:.0f}% across {len(reps)} repeats (bound "
+                                f"{100 * cfg.max_spread:.0f}%): something else was using the CPU")
+    raw = [x for x in res["overall"][0].get("tokens_per_s_repeats", []) if x > 0] if 0 in res["overall"] else []
+    drift = (max(raw) - min(raw)) / statistics.median(raw) if len(raw) >= 2 else None
     if cfg.repeats < 2:
         note = "one repeat: run-to-run variation not checked (use --repeats 3)"
     else:
         note = None
     return {"contaminated": bool(problems), "problems": problems, "note": note,
-            "max_spread_measured": max(spreads.values()) if spreads else None}
+            "max_spread_measured": max(spreads.values()) if spreads else None,
+            "plain_drift": drift}
 
 
 def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg: BenchConfig,
@@ -363,9 +401,13 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         lines += [f"**{bad}**", ""]
     elif check:
         spread = check.get("max_spread_measured")
+        drift = check.get("plain_drift")
         lines += ["Timing check passed: every speedup is within what tau and the measured "
-                  "per-cycle costs allow" + (f"; tokens/s varied by at most {100 * spread:.1f}% "
+                  "per-cycle costs allow" + (f"; each speedup (paired: arm / K=0 on the same "
+                                             f"prompt and repeat) varied by at most {100 * spread:.1f}% "
                                              "across repeats" if spread is not None else "")
+                  + (f", while plain decoding's own tokens/s drifted {100 * drift:.0f}%"
+                     if drift is not None and drift > 0.05 else "")
                   + (f" ({check['note']})" if check.get("note") else "") + ".", ""]
     if meta.get("dtype") == "bfloat16" and results["overall"].get(0, {}).get("same_output_as_k0"):
         lines += [BF16_NOTE, ""]

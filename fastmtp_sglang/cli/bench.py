@@ -128,8 +128,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of one "
                    "prompt at every K (timings then include first-call costs: not for publishing)")
     p.add_argument("--max-spread", type=float, default=0.15, help="timing guard: largest allowed "
-                   "(max - min) / median of one K's tokens/s over repeats before the run is called "
-                   "contaminated (default 0.15)")
+                   "(max - min) / median, over repeats, of one arm's paired speedup (the arm over K=0 "
+                   "on the same prompt and repeat) before the run is called contaminated; plain "
+                   "tokens/s may drift with the machine (default 0.15)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="in-process target dtype (default auto: bfloat16 where the CPU has bf16 units, "
