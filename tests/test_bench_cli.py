@@ -41,3 +41,34 @@ def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli
     assert md.startswith("# llama-tiny + draft: K=0,2, greedy")
     # a run with 3 arms x 3 prompts x 2 repeats + 3 warm-up runs
     assert len(res["samples"]) == 3 * 3 * 2
+
+
+def test_bench_auto_arm_is_keyed_auto_and_lossless(llama_target, tmp_path, run_cli):
+    """`--steps 0,1,2,auto`: one more arm, K chosen per cycle from the cost curve measured in the
+    run; keyed `auto` in results.json, greedy outputs identical to K=0 in fp32, the K it chose
+    reported as mean_k."""
+    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
+
+    cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
+    torch.manual_seed(0)
+    head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
+                       llama_target.model.get_output_embeddings())
+    draft = tmp_path / "draft"
+    save_draft_dir(draft, cfg, head.state_dict())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
+                               enumerate(["a list is a list is a list", "return the value"])))
+    out = tmp_path / "r"
+    rc, stdout, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
+                              prompts, "--raw", "--steps", "0,1,2,auto", "--repeats", "2",
+                              "--max-new-tokens", "8", "--dtype", "float32", "--vocab", "full",
+                              "--out", out, "--no-progress")
+    assert rc == 0, err
+    r = json.loads((out / "results.json").read_text())["results"]
+    assert set(r["auto"]["overall"]) == {"2"}  # K in 0..2 (the largest K listed)
+    a = r["auto"]["overall"]["2"]
+    assert a["same_output_as_k0"] == "4/4" and 0.0 <= a["mean_k"] <= 2.0
+    assert "auto (K<=2" in (out / "results.md").read_text()
+    rc, _, err = run_cli("bench", "--url", "http://127.0.0.1:9", "--target", llama_target.path,
+                         "--prompts", prompts, "--steps", "0,auto", "--out", tmp_path / "u")
+    assert rc == 1 and "--steps auto runs in-process" in err

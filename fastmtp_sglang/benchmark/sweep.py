@@ -64,6 +64,7 @@ class BenchConfig:
     max_spread: float = 0.15
     slack: float = 0.10
     ngram_steps: list[int] = field(default_factory=list)  # prompt-lookup arms (in-process), by K
+    auto_steps: int = 0  # the `auto` arm (in-process): K chosen per cycle in 0..auto_steps; 0 = none
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -78,12 +79,15 @@ class BenchConfig:
         if any(k < 1 for k in self.ngram_steps):
             raise ValueError(f"ngram steps must be >= 1, got {self.ngram_steps}")
         self.ngram_steps = sorted(set(self.ngram_steps))
+        if self.auto_steps < 0:
+            raise ValueError(f"auto_steps must be >= 0, got {self.auto_steps}")
 
     @property
     def arms(self) -> list[tuple[str, int]]:
         """(drafter, K) of every timed configuration: the head at each K (K=0 = plain decoding)
-        and prompt lookup at each ngram K."""
-        return [("head", k) for k in self.steps] + [("ngram", k) for k in self.ngram_steps]
+        and prompt lookup at each ngram K, and the auto arm (K chosen per cycle up to auto_steps)."""
+        return ([("head", k) for k in self.steps] + [("ngram", k) for k in self.ngram_steps]
+                + ([("auto", self.auto_steps)] if self.auto_steps else []))
 
     def sampling_params(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -105,7 +109,8 @@ class Sample:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     repeat: int = 0
-    drafter: str = "head"       # "head" (K=0: plain decoding) or "ngram" (prompt lookup)
+    drafter: str = "head"       # "head" (K=0: plain decoding), "ngram" (prompt lookup) or "auto"
+    drafted: list[int] | None = None  # per-cycle drafts verified (auto: the K each cycle chose)
 
 
 def _group(samples: list[Sample], k: int, category: str | None, drafter: str = "head") -> list[Sample]:
@@ -128,6 +133,9 @@ def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
         toks = sum(s.completion_tokens - (1 if s.verify_ct else 0) for s in part)
         secs = sum(s.seconds for s in part)
         per_rep.append(toks / secs if secs > 0 else 0.0)
+    drafted = [d for s in group for d in (s.drafted or [])]
+    if drafted:
+        out["mean_k"] = sum(drafted) / len(drafted)
     out["tokens_per_s"] = statistics.median(per_rep)
     out["tokens_per_s_repeats"] = per_rep
     out["completion_tokens"] = sum(s.completion_tokens for s in group) // repeats
@@ -152,10 +160,16 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
                                     for k in cfg.ngram_steps},
                         "categories": {c: {k: _stats(_group(samples, k, c, "ngram"), k, cfg.repeats)
                                            for k in cfg.ngram_steps} for c in cats}}
+    if cfg.auto_steps:  # K per cycle from the measured costs, against the same K=0 runs
+        ka = cfg.auto_steps
+        res["auto"] = {"overall": {ka: _stats(_group(samples, ka, None, "auto"), ka, cfg.repeats)},
+                       "categories": {c: {ka: _stats(_group(samples, ka, c, "auto"), ka, cfg.repeats)}
+                                      for c in cats}}
     blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
-    if cfg.ngram_steps:
-        blocks += [("ngram", None, res["ngram"]["overall"]),
-                   *[("ngram", c, res["ngram"]["categories"][c]) for c in cats]]
+    for extra in ("ngram", "auto"):
+        if extra in res:
+            blocks += [(extra, None, res[extra]["overall"]),
+                       *[(extra, c, res[extra]["categories"][c]) for c in cats]]
     for drafter, cat, block in blocks:
         for k, r in block.items():
             reps = paired_speedups(samples, k, drafter, cat, cfg.repeats)
@@ -167,7 +181,7 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
             grp = [s for s in samples if s.steps == k and s.drafter == drafter and s.output_ids]
             if grp:
                 same = sum(1 for s in grp if s.output_ids == base.get(s.prompt_id))
-                blk = res["overall"] if drafter == "head" else res["ngram"]["overall"]
+                blk = res["overall"] if drafter == "head" else res[drafter]["overall"]
                 blk[k]["same_output_as_k0"] = f"{same}/{len(grp)}"
     res["timing_check"] = timing_guard(res, cfg)
     return res
@@ -241,11 +255,14 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     if "ngram" in res:
         problems += _block_problems({0: res["overall"][0], **res["ngram"]["overall"]}, cfg,
                                     "prompt lookup")
+    if "auto" in res:
+        problems += _block_problems({0: res["overall"][0], **res["auto"]["overall"]}, cfg, "auto")
     # run-to-run: the paired speedup (arm / K=0 on the same prompt and repeat) must agree across
     # repeats; raw tokens/s may drift with the machine without contaminating anything
     spreads = {}
     arms = ([(f"K={k}", r) for k, r in res["overall"].items() if k]
-            + [(f"prompt lookup K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()])
+            + [(f"prompt lookup K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()]
+            + [(f"auto (K<={k})", r) for k, r in res.get("auto", {}).get("overall", {}).items()])
     for label, r in arms:
         reps = [x for x in r.get("speedup_repeats", []) if x > 0]
         if len(reps) >= 2:
@@ -268,8 +285,9 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
 
 def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg: BenchConfig,
                    progress: bool = True, max_context: int | None = None,
-                   draft_vocab=None) -> list[Sample]:
-    """prompts: (id, category, input_ids). Each prompt runs at every K back to back."""
+                   draft_vocab=None, cost_curve=None) -> list[Sample]:
+    """prompts: (id, category, input_ids). Each prompt runs at every K back to back. The auto
+    arm uses ``cost_curve`` (measured here when None: :func:`auto_costs`)."""
     from tqdm import tqdm
 
     from fastmtp_sglang.decode.engine import ReferenceEngine, Request
@@ -280,6 +298,10 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
                                             draft_vocab=draft_vocab if k else None) for k in cfg.steps}
     engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
                     for k in cfg.ngram_steps})
+    if cfg.auto_steps:
+        curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
+        engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
+                                                        max_context, draft_vocab)
     samples: list[Sample] = []
     arms = cfg.arms
     warm = len(arms) if cfg.warmup else 0
@@ -303,11 +325,46 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
                                           [c.accepted for c in m.cycles], r.output_ids,
                                           sum(c.draft_s for c in m.cycles),
                                           sum(c.verify_s for c in m.cycles), m.prefill_s, rep,
-                                          drafter))
+                                          drafter, [c.drafted for c in m.cycles]
+                                          if drafter == "auto" else None))
                     bar.update(1)
                 i += 1
     samples.sort(key=lambda s: (s.drafter, s.steps, s.category, s.prompt_id, s.repeat))
     return samples
+
+
+def cost_line(curve) -> str:
+    """One line a user reads the speedups by: what verifying and drafting cost on this CPU."""
+    n = max(curve.verify_ms)
+    return (f"on this CPU ({curve.cpu['model']}, {curve.dtype}): verifying {n} tokens costs "
+            f"{curve.verify_ratio(n):.2f}x one token ({curve.verify_ms[n]:.1f} vs {curve.plain_ms:.1f} ms, "
+            f"memory floor {curve.verify_floor_ms:.1f} ms); a draft step {curve.draft_step_ms:.1f} ms")
+
+
+def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True):
+    """This machine's cost curve for the ``auto`` arm (verify 1..kmax+1 tokens, draft step, draft
+    extend; batch 1, a few seconds; fastmtp_sglang.decode.costs)."""
+    from fastmtp_sglang.decode.costs import measure
+
+    if head is None:
+        raise FastMTPError("the auto arm drafts with the head: give --draft")
+    if progress:
+        print(f"auto: measuring this machine's cost curve (verify 1..{kmax + 1} tokens, draft step, "
+              "draft extend)", file=sys.stderr)
+    curve = measure(target, head, draft_vocab, ns=tuple(range(1, kmax + 2)), repeats=7, warmup=2,
+                    bandwidth_mib=256)  # larger than the last-level cache
+    if progress:
+        print("auto: " + cost_line(curve), file=sys.stderr)
+    return curve
+
+
+def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None):
+    """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``."""
+    from fastmtp_sglang.decode.auto import AutoK, StepCosts
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+
+    return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
+                           auto=AutoK(StepCosts.from_curve(curve), kmax))
 
 
 def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:
@@ -419,21 +476,28 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f"| {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
             f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
             f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
-    for k, r in results.get("ngram", {}).get("overall", {}).items():
+    extra_rows = ([(f"prompt lookup {k}", r) for k, r in results.get("ngram", {}).get("overall", {}).items()]
+                  + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f})", r)
+                     for k, r in results.get("auto", {}).get("overall", {}).items()])
+    for name, r in extra_rows:
         sp = "-" if bad else f"{r['speedup']:.2f}x"
         lines.append(
-            f"| prompt lookup {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
+            f"| {name} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
             f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
             f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
     lines += ["", "Per category (tau / speedup):" if not bad else "Per category (tau):", "",
               "| category | " + " | ".join(f"K={k}" for k in results["overall"]) + " |",
               "|---|" + "---|" * len(results["overall"])]
     ng = results.get("ngram", {}).get("categories", {})
+    au = results.get("auto", {}).get("categories", {})
     if ng:
         lines[-2] += "".join(f" lookup {k} |" for k in results["ngram"]["overall"])
         lines[-1] += "---|" * len(results["ngram"]["overall"])
+    if au:
+        lines[-2] += " auto |"
+        lines[-1] += "---|"
     for c, block in results["categories"].items():
-        cells = list(block.values()) + list(ng.get(c, {}).values())
+        cells = list(block.values()) + list(ng.get(c, {}).values()) + list(au.get(c, {}).values())
         lines.append(f"| {c} | " + " | ".join(
             f"{r['tau']:.2f}" + ("" if bad else f" / {r['speedup']:.2f}x") for r in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -463,6 +527,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
     ng = results.get("ngram", {}).get("overall", {})
     if ng:  # tau does not depend on timing: drawn even when the timing is contaminated
         a1.plot(list(ng), [r["tau"] for r in ng.values()], "s--", color="C2", label="prompt lookup")
+    au = results.get("auto", {}).get("overall", {})
+    for k, r in au.items():  # drawn at its mean K
+        a1.plot([r.get("mean_k", k)], [r["tau"]], "*", ms=11, color="C3", label=f"auto (K<={k})")
     a1.set_xlabel("K (draft steps)"); a1.set_ylabel("tau (tokens / verification)")
     a1.legend(fontsize=8); a1.grid(alpha=0.3)
     if contamination_text(results.get("timing_check")):
@@ -473,6 +540,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
         if ng:
             a2.plot(list(ng), [r["speedup"] for r in ng.values()], "s--", color="C2",
                     label="prompt lookup")
+        for k, r in au.items():
+            a2.plot([r.get("mean_k", k)], [r["speedup"]], "*", ms=11, color="C3", label=f"auto (K<={k})")
+        if ng or au:
             a2.legend(fontsize=8)
     a2.axhline(1.0, color="grey", ls=":")
     a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")

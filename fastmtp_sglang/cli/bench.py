@@ -29,6 +29,20 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
+def parse_steps_auto(text: str, auto_max: int | None) -> tuple[list[int], int]:
+    """``--steps 0,1,2,3,auto`` -> ([0, 1, 2, 3], the auto arm's Kmax or 0 for none). Kmax is
+    ``--auto-max-steps``, else the largest K listed, else 4."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    auto = "auto" in parts
+    steps = parse_steps(",".join(x for x in parts if x != "auto") or "0")
+    if not auto:
+        return steps, 0
+    kmax = auto_max if auto_max is not None else (max(steps) if max(steps) > 0 else 4)
+    if kmax < 1:
+        raise FastMTPError(f"--auto-max-steps must be >= 1; got {kmax}")
+    return steps, kmax
+
+
 def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import run_in_process, run_urls, summarize, write_results
 
@@ -65,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             raise FastMTPError("--engine reference needs --target")
         target = load_target(args.target, dtype=args.dtype)
         head = None
-        if max(cfg.steps) > 0:
+        if max(cfg.steps) > 0 or cfg.auto_steps:
             if not args.draft:
                 raise FastMTPError("K > 0 needs --draft")
             head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
@@ -97,10 +111,15 @@ def config_from_args(args: argparse.Namespace):
     from fastmtp_sglang.benchmark.sweep import BenchConfig
 
     try:
-        return BenchConfig(parse_steps(args.steps), args.max_new_tokens, args.temperature,
+        steps, auto = parse_steps_auto(args.steps, getattr(args, "auto_max_steps", None))
+        if auto and args.url:
+            raise FastMTPError("--steps auto runs in-process (the reference engine picks K per "
+                               "cycle): drop --url, or use fastmtp serve --engine sglang --steps auto")
+        return BenchConfig(steps, args.max_new_tokens, args.temperature,
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,
-                           ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
+                           ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [],
+                           auto_steps=auto)
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -115,7 +134,10 @@ def default_label(args: argparse.Namespace, cfg) -> str:
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", default="0,1,2,3,4", help="comma-separated K values (K=0 is always "
-                   "added: it is the baseline; default 0,1,2,3,4)")
+                   "added: it is the baseline; default 0,1,2,3,4); 'auto' adds an arm whose K is "
+                   "chosen every cycle from this machine's measured costs (in-process)")
+    p.add_argument("--auto-max-steps", type=int, default=None, help="the auto arm's largest K "
+                   "(default: the largest K in --steps, or 4)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")

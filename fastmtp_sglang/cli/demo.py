@@ -44,9 +44,9 @@ def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastmtp_sglang.benchmark.sweep import (BenchConfig, contamination_text, markdown, run_in_process,
-                                      summarize, write_results)
-    from fastmtp_sglang.cli.bench import parse_steps
+    from fastmtp_sglang.benchmark.sweep import (BenchConfig, auto_costs, contamination_text, cost_line,
+                                                markdown, run_in_process, summarize, write_results)
+    from fastmtp_sglang.cli.bench import parse_steps, parse_steps_auto
     from fastmtp_sglang.core.prompts import load_prompt_ids
     from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
     from fastmtp_sglang.core.draft_dir import load_head
@@ -68,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype == "auto":
         log(f"demo: dtype {dtype} (auto: {'this CPU has bf16 units' if dtype == 'bfloat16' else 'no bf16 units on this CPU, where emulated bf16 is slower than fp32'})")
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
-    cfg = BenchConfig(parse_steps(args.steps), max_new_tokens=args.max_new_tokens,
+    steps, auto = parse_steps_auto(args.steps, None)
+    if auto:  # auto may draft longer chains than the fixed arms shown beside it
+        auto = max(auto, 4)
+    cfg = BenchConfig(steps, max_new_tokens=args.max_new_tokens, auto_steps=auto,
                       repeats=args.repeats,
                       ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
     prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
@@ -77,14 +80,22 @@ def run(args: argparse.Namespace) -> int:
     vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", str(draft))
     if vocab is not None:
         log(f"demo: draft vocabulary {', '.join(vocab.tables.names)} (picked per request)")
+    curve = auto_costs(target, head, cfg.auto_steps, vocab, progress=False) if cfg.auto_steps else None
+    if curve is not None:
+        log("demo: " + cost_line(curve))
     samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
-                             draft_vocab=vocab)
+                             draft_vocab=vocab, cost_curve=curve)
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp " + " ".join(sys.argv[1:]),
             "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
             "prompts": len(prompts), "engine": f"reference engine, {dtype}, batch 1",
             "dtype": dtype}
+    if curve is not None:
+        meta["costs"] = curve.to_json()
     print(markdown(results, meta))
+    if curve is not None:
+        print(f"Why these numbers: {cost_line(curve)}. Speculation pays when the drafts accepted "
+              "per cycle outweigh that extra cost; `auto` picks K (0 included) every cycle from it.")
     bad = contamination_text(results["timing_check"])
     if bad:
         print("demo: the speedups of this run are NOT shown: the machine was not quiet enough to "
@@ -104,8 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None, help="where the model and draft are materialised "
                    "(default $FASTMTP_CACHE or ~/.cache/fastmtp)")
     p.add_argument("--draft", default=None, help="use this draft directory instead of the default")
-    p.add_argument("--steps", default="0,1,3", help="K values (default 0,1,3; every K costs about "
-                   "a minute and a half with the defaults)")
+    p.add_argument("--steps", default="0,2,auto", help="K values, and 'auto' for K chosen every "
+                   "cycle from this machine's measured costs (default 0,2,auto; every arm costs "
+                   "about a minute and a half with the defaults)")
     p.add_argument("--prompts", type=int, default=6, help="how many shipped prompts (default 6 of 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),

@@ -69,6 +69,7 @@ class _Row:
         self.finish: dict[str, Any] | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(req.input_ids), steps=steps)
         self.text_checked = 0  # how many output tokens the stop-string check has seen
+        self.est: list[float] = []  # auto: running conditional acceptance per draft position
 
 
 class ReferenceEngine:
@@ -82,12 +83,18 @@ class ReferenceEngine:
     max_context : positions a request may use (default: the target's max_position_embeddings)
     drafter : a model-free drafter (fastmtp_sglang.decode.ngram.NgramDrafter) used instead of ``head``;
         a cycle where no row has a proposal verifies the pending token alone (K=0 for that cycle)
+    auto : an AutoK controller (fastmtp_sglang.decode.auto) that picks each cycle's K in 0..steps
+        from measured costs and the rows' running acceptance; None = always ``steps``
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
-                 draft_vocab=None, drafter=None):
+                 draft_vocab=None, drafter=None, auto=None):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if auto is not None and (steps < 1 or auto.kmax != steps):
+            raise ValueError(f"auto chooses K in 0..steps: needs steps >= 1 and auto.kmax == steps "
+                             f"(got steps {steps}, kmax {auto.kmax})")
+        self.auto = auto  # fastmtp_sglang.decode.auto.AutoK: K chosen per cycle, or None = steps
         if steps > 0 and head is None and drafter is None:
             raise ValueError("steps > 0 needs a draft head (or a drafter such as NgramDrafter)")
         self.drafter = drafter  # fastmtp_sglang.decode.ngram.NgramDrafter: drafts without a model
@@ -128,7 +135,7 @@ class ReferenceEngine:
         b = self._prefill(requests, on_tokens)
         while b.drop_finished():
             t = time.perf_counter()
-            drafts, qs, Kc = self._draft(b)
+            drafts, qs, Kc = self._draft(b, self._choose(b))
             _sync(self.device)
             t_draft = time.perf_counter() - t
             t = time.perf_counter()
@@ -139,7 +146,7 @@ class ReferenceEngine:
             bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
             _sync(self.device)
             t_draft += time.perf_counter() - t
-            self._advance(b, acc, emitted, bonus, t_draft, t_verify, on_tokens)
+            self._advance(b, acc, emitted, bonus, Kc, t_draft, t_verify, on_tokens)
         return self._results(b)
 
     # -- the steps of generate ----------------------------------------------------------------
@@ -183,10 +190,16 @@ class ReferenceEngine:
         b.t_decode = time.perf_counter()
         return b
 
-    def _draft(self, b: "_Batch") -> tuple[torch.Tensor, list, int]:
+    def _choose(self, b: "_Batch") -> int:
+        """This cycle's K: ``steps``, or what the auto controller picks for the live rows."""
+        if self.auto is None:
+            return self.steps
+        return self.auto.choose([b.rows[i].est for i in b.active.tolist()], b.zero_run)
+
+    def _draft(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
         Kc is the number of drafts verified this cycle (a drafter with nothing to propose: 0)."""
-        dev, K, n = self.device, self.steps, len(b.active)
+        dev, n = self.device, len(b.active)
         drafts = torch.empty(n, K, dtype=torch.long, device=dev)
         qs: list = []
         Kc = K
@@ -195,7 +208,9 @@ class ReferenceEngine:
             if not b.greedy:  # a deterministic draft: q is one-hot at each proposed token
                 V = self.target.lm_head.weight.shape[0]
                 qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
-        elif b.use_head:
+        elif b.use_head and K:
+            if b.deferred:
+                self._catch_up(b)
             d, q = b.draft_pick(b.g, b.active)
             drafts[:, 0] = d
             qs.append(q)
@@ -244,21 +259,37 @@ class ReferenceEngine:
         n = len(b.active)
         bonus = emitted.gather(1, acc[:, None])[:, 0]                                 # [n]
         if b.use_head:
-            ext_ids = torch.cat([drafts, drafts[:, :1]], dim=1)                       # [n, K+1]
+            # the token after each verified position: d_{j+1} up to the first rejection, then b
+            # (slots past it are overwritten before any query sees them)
+            ext_ids = torch.cat([drafts, bonus[:, None]], dim=1)                      # [n, Kc+1]
             ext_ids.scatter_(1, acc[:, None], bonus[:, None])
-            ge, _ = self.head(vh, ext_ids, vpos, b.dcache, return_logits=False)
-            b.g = ge[torch.arange(n, device=self.device), acc]
+            if self.auto is not None and drafts.shape[1] == 0:
+                b.deferred.append((vh, ext_ids, vpos))  # no drafts this cycle: extend later
+            else:
+                ge, _ = self.head(vh, ext_ids, vpos, b.dcache, return_logits=False)
+                b.g = ge[torch.arange(n, device=self.device), acc]
         return bonus
 
+    def _catch_up(self, b: "_Batch") -> None:
+        """The draft extend of the cycles that ran at K=0 (auto), in one head forward: each
+        verified one position and accepted nothing, so the last column is every row's end."""
+        vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
+        ge, _ = self.head(vh, ids, pos, b.dcache, return_logits=False)
+        b.g = ge[:, -1]
+        b.deferred = []
+
     def _advance(self, b: "_Batch", acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
-                 t_draft: float, t_verify: float, on_tokens) -> None:
+                 Kc: int, t_draft: float, t_verify: float, on_tokens) -> None:
         """Bookkeeping: log the cycle, emit each row's tokens, finish rows, move positions on."""
         n, K = len(b.active), self.steps
         acc_l, em_l = acc.tolist(), emitted.tolist()
+        b.zero_run = b.zero_run + 1 if Kc == 0 else 0
         for j, i in enumerate(b.active.tolist()):
             r = b.rows[i]
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
-                                             verify_s=t_verify / n))
+                                             verify_s=t_verify / n, drafted=Kc))
+            if self.auto is not None:
+                self.auto.update(r.est, Kc, acc_l[j])
             self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
             if r.finish is None and int(b.pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
                 r.finish = {"type": "length", "length": len(r.out)}
@@ -340,6 +371,9 @@ class _Batch:
         self.engine = engine
         self.use_head = bool(K) and engine.drafter is None
         self.rows = [_Row(r, i, K) for i, r in enumerate(requests)]
+        if engine.auto is not None:
+            for row in self.rows:
+                row.est = engine.auto.new_estimate()  # per-position acceptance, this request's own
         # one generator per request: a seeded request samples the same tokens whatever batch it
         # shares (rows without a seed draw theirs from torch's global generator)
         self.gens = []
@@ -356,6 +390,8 @@ class _Batch:
         self.cache = self.valid = self.active = self.pending = self.pos = None
         self.dcache = self.g = self.tidx = self.extra = None
         self.t_decode = 0.0
+        self.zero_run = 0    # cycles in a row at K=0 (auto)
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
 
     def pick(self, logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
@@ -388,6 +424,7 @@ class _Batch:
             if self.use_head:
                 self.dcache.select(sel)
                 self.g = self.g[sel]
+                self.deferred = [tuple(x[sel] for x in d) for d in self.deferred]
                 if self.tidx is not None:
                     self.tidx = self.tidx[sel]
                     self.extra = self.extra[sel] if self.extra is not None else None

@@ -17,6 +17,7 @@ class CycleLog:
     accepted: int
     draft_s: float = 0.0
     verify_s: float = 0.0
+    drafted: int | None = None  # drafts verified this cycle (differs from the engine's K under auto)
 
 
 @dataclass

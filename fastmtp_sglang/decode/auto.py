@@ -1,0 +1,122 @@
+"""``--steps auto``: the number of drafts K chosen every cycle from measured costs and running
+acceptance estimates (K=0 when nothing pays).
+
+For a row whose step-j drafts are accepted with (conditional) probability a_j, a cycle at K emits
+``E(K) = 1 + sum_{k<=K} prod_{j<=k} a_j`` tokens on average and costs
+``T(K) = verify(K+1) + K * draft_step + extend`` (``T(0) = verify(1)``: plain decoding, no draft
+work at all). The controller picks the K in 0..Kmax with the most expected tokens per second,
+``sum_rows E_r(K) / T(K)`` for a batch that shares one cycle. Anchors: vLLM's adaptive-K goodput
+rule ``E_acc(K) / (1 + K c_draft)``, SGLang 0.5.23's ``--speculative-adaptive``.
+
+Acceptance estimates start from a prior and follow each row's cycles with an exponential moving
+average per position: a cycle at K that accepted m drafts observes "accepted" at positions 1..m
+and "rejected" at m+1 (positions beyond it are not observed; after a chain accepted whole, the
+next position's estimate is raised to the last one's). A row decoding at K=0 learns nothing, so
+after ``probe_every`` cycles at K=0 the controller drafts once at K=1 to look again.
+Any K is lossless (every cycle is verified), so the choice changes speed, never the output.
+
+Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepCosts:
+    """Milliseconds of the calls of one cycle at batch 1.
+
+    verify : {n: ms} for the target forward over n new tokens (n = 1 is a plain step); n between
+        measured points is interpolated, beyond the last one extrapolated linearly
+    draft_step : one head step with its projection
+    extend : the head's draft extend over the accepted positions
+    """
+    verify: dict[int, float]
+    draft_step: float
+    extend: float
+
+    @classmethod
+    def from_curve(cls, curve) -> "StepCosts":
+        """From a :class:`fastmtp_sglang.decode.costs.CostCurve` (measured with a head)."""
+        if curve.draft_step_ms is None:
+            raise ValueError("the cost curve was measured without a head: no draft-step cost")
+        ext = sorted(curve.extend_ms.values())
+        return cls(dict(curve.verify_ms), curve.draft_step_ms, ext[len(ext) // 2] if ext else 0.0)
+
+    def verify_ms(self, n: int) -> float:
+        pts = sorted(self.verify)
+        if n in self.verify:
+            return self.verify[n]
+        lo = max((p for p in pts if p < n), default=pts[0])
+        hi = min((p for p in pts if p > n), default=None)
+        if hi is None:  # beyond the last point: extend the last segment's slope
+            a, b = (pts[-2], pts[-1]) if len(pts) > 1 else (pts[-1], pts[-1])
+            slope = (self.verify[b] - self.verify[a]) / (b - a) if b != a else 0.0
+            return self.verify[b] + slope * (n - b)
+        t = (n - lo) / (hi - lo)
+        return self.verify[lo] * (1 - t) + self.verify[hi] * t
+
+    def cycle_ms(self, k: int) -> float:
+        return self.verify_ms(1) if k == 0 else self.verify_ms(k + 1) + k * self.draft_step + self.extend
+
+
+def expected_tokens(est: list[float], k: int) -> float:
+    """E(K) = 1 + sum_{k'<=K} prod_{j<=k'} a_j for per-position conditional acceptances ``est``."""
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= est[j]
+        total += run
+    return total
+
+
+class AutoK:
+    """Chooses each cycle's K (see the module docstring).
+
+    Parameters
+    ----------
+    costs : StepCosts of this machine
+    kmax : the most drafts per cycle (the head's steps, or the drafter's proposal length)
+    prior : starting conditional acceptance at every position (0.5: a head that is right half the
+        time; the first cycles then draft, and the estimates take over)
+    alpha : weight of the newest observation in the moving average
+    probe_every : cycles at K=0 after which one cycle drafts at K=1 to re-measure acceptance
+    """
+
+    def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
+                 probe_every: int = 16):
+        if kmax < 1:
+            raise ValueError(f"auto needs kmax >= 1, got {kmax}")
+        if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and probe_every >= 1):
+            raise ValueError("prior in [0, 1], alpha in (0, 1], probe_every >= 1")
+        self.costs, self.kmax = costs, kmax
+        self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
+
+    def new_estimate(self) -> list[float]:
+        return [self.prior] * self.kmax
+
+    def update(self, est: list[float], k: int, accepted: int) -> None:
+        """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
+
+        A chain accepted whole says nothing about the next position; its estimate is raised to
+        the deepest observed one (conditional acceptances of one head are of one size: 28-52%
+        at steps 2-3 against 37-45% at step 1 for the shipped head), so a row that only ever
+        drafted at K=1 can grow its chain instead of staying at its prior."""
+        for j in range(min(k, accepted + 1)):
+            hit = 1.0 if j < accepted else 0.0
+            est[j] += self.alpha * (hit - est[j])
+        if 0 < k == accepted < len(est):
+            est[k] = max(est[k], est[k - 1])
+
+    def best(self, ests: list[list[float]]) -> int:
+        """The K with the most expected tokens per ms for rows with these estimates."""
+        rate = [sum(expected_tokens(e, k) for e in ests) / self.costs.cycle_ms(k)
+                for k in range(self.kmax + 1)]
+        return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
+
+    def choose(self, ests: list[list[float]], zero_run: int) -> int:
+        """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it."""
+        k = self.best(ests)
+        if k == 0 and zero_run >= self.probe_every:
+            return 1
+        return k

@@ -1,0 +1,144 @@
+"""``--steps auto``: the controller's arithmetic, and the engine with K chosen per cycle staying
+lossless (greedy output == plain greedy in fp32, sampled tokens follow the target) while the
+chosen K follows the costs and the acceptance (a perfect drafter drafts Kmax, a useless one on a
+machine where verification is expensive settles at K=0, probing now and then)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastmtp_sglang.decode.auto import AutoK, StepCosts, expected_tokens
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+from fastmtp_sglang.decode.ngram import NgramDrafter
+from fastmtp_sglang.decode.sampling import SamplingParams
+from test_engine import N_NEW, PROMPTS, V, greedy_reference, random_head, successor_world, tiny_target
+
+FLAT = StepCosts({1: 50.0, 2: 51.0, 4: 53.0, 6: 55.0}, draft_step=3.0, extend=2.0)    # AMX bf16-like
+STEEP = StepCosts({1: 50.0, 2: 100.0, 4: 200.0}, draft_step=5.0, extend=3.0)          # AVX2 bf16-like
+
+
+def test_expected_tokens_and_costs():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+    assert FLAT.verify_ms(3) == pytest.approx(52.0)          # interpolated
+    assert FLAT.verify_ms(8) == pytest.approx(57.0)          # extrapolated along the last segment
+    assert FLAT.cycle_ms(0) == 50.0                          # plain decoding: no draft work
+    assert FLAT.cycle_ms(3) == pytest.approx(53.0 + 3 * 3.0 + 2.0)
+
+
+def test_best_k_follows_costs_and_acceptance():
+    auto = AutoK(FLAT, 5)
+    assert auto.best([[0.9] * 5]) == 5            # cheap verification, a good drafter: draft all
+    assert auto.best([[0.02] * 5]) == 0           # nothing is ever accepted: plain decoding
+    assert AutoK(STEEP, 5).best([[0.6] * 5]) == 0  # expensive verification: 0.6 does not pay
+    mid = AutoK(FLAT, 5).best([[0.6, 0.3, 0.1, 0.1, 0.1]])
+    assert 1 <= mid <= 2                          # acceptance falls off: a short chain
+    # a batch shares one K: it maximises the rows' summed tokens per ms
+    assert AutoK(FLAT, 5).best([[0.9] * 5, [0.0] * 5]) >= 1
+
+
+def test_update_observes_positions_up_to_the_first_rejection():
+    auto = AutoK(FLAT, 4, prior=0.5, alpha=0.5)
+    est = auto.new_estimate()
+    auto.update(est, 4, 1)  # d1 accepted, d2 rejected, d3 and d4 not observed
+    assert est == [0.75, 0.25, 0.5, 0.5]
+    auto.update(est, 0, 0)  # a K=0 cycle observes nothing
+    assert est == [0.75, 0.25, 0.5, 0.5]
+    auto.update(est, 2, 2)  # both accepted: position 3 is not observed, but raised to position 2's
+    assert est == [0.875, 0.625, 0.625, 0.5]
+    auto.update(est, 4, 4)  # the whole chain: nothing beyond Kmax to raise
+    assert est == [0.9375, 0.8125, 0.8125, 0.75]
+
+
+def test_probe_after_a_run_of_plain_cycles():
+    auto = AutoK(STEEP, 3, probe_every=4)
+    assert auto.choose([[0.1] * 3], zero_run=3) == 0
+    assert auto.choose([[0.1] * 3], zero_run=4) == 1
+    with pytest.raises(ValueError):
+        AutoK(FLAT, 0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    t = tiny_target("llama")
+    return t, random_head(t, "mimo"), [greedy_reference(t, p, N_NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+@pytest.mark.parametrize("kmax", [1, 3, 5])
+def test_auto_greedy_equals_plain_decoding(llama, costs, kmax):
+    """Whatever K each cycle picks (K=0 cycles, probes, catch-up extends), greedy output is the
+    target's own, batched and alone."""
+    t, head, ref = llama
+    eng = ReferenceEngine(t, head, kmax, auto=AutoK(costs, kmax, probe_every=3))
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS])
+    assert [r.output_ids for r in res] == ref
+    for p, want in zip(PROMPTS, ref):
+        assert eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW))])[0].output_ids == want
+    drafted = [c.drafted for r in res for c in r.metrics.cycles]
+    assert set(drafted) <= set(range(kmax + 1))
+
+
+def test_auto_perfect_drafter_drafts_kmax_and_switches_back_from_zero():
+    """The successor world: every draft is right. Auto drafts Kmax once its estimates rise; after
+    K=0 cycles (a pessimistic prior) the head catches up on the skipped positions and is still
+    right, so the output is the target's and tau rises."""
+    t, head = successor_world()
+    auto = AutoK(FLAT, 4, prior=0.0, probe_every=2)  # starts at K=0, probes, then learns
+    r = ReferenceEngine(t, head, 4, auto=auto).generate(
+        [Request([5], SamplingParams(max_new_tokens=40))])[0]
+    assert r.output_ids == [(6 + i) % V for i in range(40)]
+    drafted = [c.drafted for c in r.metrics.cycles]
+    assert drafted[:2] == [0, 0] and 1 in drafted and drafted[-1] == 4
+    assert all(c.accepted == c.drafted for c in r.metrics.cycles)  # never a rejection
+
+
+def test_auto_useless_head_on_steep_costs_settles_at_zero(llama):
+    t, head, ref = llama
+    auto = AutoK(STEEP, 3, probe_every=8)
+    r = ReferenceEngine(t, head, 3, auto=auto).generate(
+        [Request(PROMPTS[0], SamplingParams(max_new_tokens=N_NEW))])[0]
+    assert r.output_ids == ref[0]
+    drafted = [c.drafted for c in r.metrics.cycles]
+    assert drafted.count(0) >= len(drafted) - 4  # plain decoding but for the probes
+
+
+def test_auto_with_prompt_lookup_is_lossless(llama):
+    t, _, ref = llama
+    eng = ReferenceEngine(t, None, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3))
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS])
+    assert [r.output_ids for r in res] == ref
+
+
+def test_auto_sampled_tokens_follow_the_target():
+    """Lossless sampling with K chosen per cycle: the first verified token follows the target's
+    marginal (as tests/test_engine.py checks at fixed K)."""
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    prompt = [4, 9, 2]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
+        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
+        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)
+        want = p1 @ p2
+    n = 3000
+    eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2))
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i))
+                        for i in range(n)])
+    second = torch.tensor([r.output_ids[1] for r in res])
+    emp = torch.bincount(second, minlength=v).float() / n
+    tv = 0.5 * (emp - want).abs().sum().item()
+    assert tv < 0.05, f"total variation {tv:.3f} between emitted and target marginals"
+    assert any(c.drafted for r in res for c in r.metrics.cycles)  # drafts were verified
+
+
+def test_engine_refuses_an_auto_that_does_not_match_its_steps(llama):
+    t, head, _ = llama
+    with pytest.raises(ValueError, match="auto"):
+        ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 2))
