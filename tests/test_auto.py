@@ -40,7 +40,7 @@ def test_best_k_follows_costs_and_acceptance():
 
 
 def test_update_observes_positions_up_to_the_first_rejection():
-    auto = AutoK(FLAT, 4, prior=0.5, alpha=0.5)
+    auto = AutoK(FLAT, 4, prior=0.5, alpha=0.5, shared_alpha=0.0)
     est = auto.new_estimate()
     auto.update(est, 4, 1)  # d1 accepted, d2 rejected, d3 and d4 not observed
     assert est == [0.75, 0.25, 0.5, 0.5]
@@ -50,6 +50,16 @@ def test_update_observes_positions_up_to_the_first_rejection():
     assert est == [0.875, 0.625, 0.625, 0.5]
     auto.update(est, 4, 4)  # the whole chain: nothing beyond Kmax to raise
     assert est == [0.9375, 0.8125, 0.8125, 0.75]
+
+
+def test_new_requests_start_from_what_earlier_requests_measured():
+    auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1)
+    for _ in range(200):  # requests whose head is never right
+        auto.update(auto.new_estimate(), 3, 0)
+    fresh = auto.new_estimate()
+    assert fresh[0] < 0.01 and auto.best([fresh]) == 0  # the next request does not draft at once
+    fresh[0] = 0.9
+    assert auto.shared[0] < 0.01  # a request's own estimate is its own copy
 
 
 def test_probe_after_a_run_of_plain_cycles():

@@ -77,25 +77,38 @@ class AutoK:
     ----------
     costs : StepCosts of this machine
     kmax : the most drafts per cycle (the head's steps, or the drafter's proposal length)
-    prior : starting conditional acceptance at every position (0.5: a head that is right half the
-        time; the first cycles then draft, and the estimates take over)
-    alpha : weight of the newest observation in the moving average
+    prior : starting conditional acceptance at every position for the first request (0.5: a head
+        that is right half the time; the first cycles then draft, and the estimates take over)
+    alpha : weight of the newest observation in a request's moving average
+    shared_alpha : the same for the estimate shared by all requests, which is where each new
+        request starts (so request 100 does not relearn from 0.5 what 99 requests measured)
     probe_every : cycles at K=0 after which one cycle drafts at K=1 to re-measure acceptance
     """
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
-                 probe_every: int = 16):
+                 probe_every: int = 16, shared_alpha: float = 0.02):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
-        if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and probe_every >= 1):
-            raise ValueError("prior in [0, 1], alpha in (0, 1], probe_every >= 1")
+        if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
+                and probe_every >= 1):
+            raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1")
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
+        self.shared_alpha = shared_alpha
+        self.shared = [prior] * kmax  # every request's observations, slowly
 
     def new_estimate(self) -> list[float]:
-        return [self.prior] * self.kmax
+        """Where a new request starts: what the requests before it measured."""
+        return list(self.shared)
 
     def update(self, est: list[float], k: int, accepted: int) -> None:
+        """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too."""
+        self._observe(est, k, accepted, self.alpha)
+        if self.shared_alpha:
+            self._observe(self.shared, k, accepted, self.shared_alpha)
+
+    @staticmethod
+    def _observe(est: list[float], k: int, accepted: int, alpha: float) -> None:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
 
         A chain accepted whole says nothing about the next position; its estimate is raised to
@@ -104,7 +117,7 @@ class AutoK:
         drafted at K=1 can grow its chain instead of staying at its prior."""
         for j in range(min(k, accepted + 1)):
             hit = 1.0 if j < accepted else 0.0
-            est[j] += self.alpha * (hit - est[j])
+            est[j] += alpha * (hit - est[j])
         if 0 < k == accepted < len(est):
             est[k] = max(est[k], est[k - 1])
 
