@@ -59,7 +59,7 @@ def test_new_requests_start_from_what_earlier_requests_measured():
     fresh = auto.new_estimate()
     assert fresh[0] < 0.01 and auto.best([fresh]) == 0  # the next request does not draft at once
     fresh[0] = 0.9
-    assert auto.shared[0] < 0.01  # a request's own estimate is its own copy
+    assert auto.shared["head"][0] < 0.01  # a request's own estimate is its own copy
 
 
 def test_probe_after_a_run_of_plain_cycles():
@@ -152,3 +152,71 @@ def test_engine_refuses_an_auto_that_does_not_match_its_steps(llama):
     t, head, _ = llama
     with pytest.raises(ValueError, match="auto"):
         ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 2))
+
+
+REPEATS = [[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4], [8, 9, 10, 11, 8, 9], [2, 40, 41, 2, 40]]
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+def test_hybrid_greedy_equals_plain_decoding(llama, costs):
+    """Head rows, prompt-lookup rows and K=0 cycles mixed in one batch: still the target's own
+    greedy output, batched and alone."""
+    t, head, _ = llama
+    prompts = PROMPTS + REPEATS
+    ref = [greedy_reference(t, p, N_NEW) for p in prompts]
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
+                          auto=AutoK(costs, 3, probe_every=3), hybrid=True)
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in prompts])
+    assert [r.output_ids for r in res] == ref
+    for p, want in zip(prompts, ref):
+        assert eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW))])[0].output_ids == want
+
+
+def test_hybrid_takes_prompt_lookup_where_it_is_right():
+    """A target that repeats its prompt's cycle and a head that is never right: the rows switch
+    to prompt lookup (whose estimate for long matches rises) and accept its drafts."""
+    t, head = successor_world()  # target: x -> x+1; the prompt 10..14 then continues 15, 16, ...
+    wrong = random_head(t, "split", seed=4)  # a head that does not know the successor rule
+    eng = ReferenceEngine(t, wrong, 3, drafter=NgramDrafter(max_ngram=2), auto=AutoK(FLAT, 3),
+                          hybrid=True)
+    # the continuation of 1..30 is 31, 32, ...: never in the prompt, so lookup has nothing right;
+    # the prompt 5..20 followed by 5..9 makes the target continue 10, 11, ... which lookup finds
+    r = eng.generate([Request(list(range(5, 21)) + list(range(5, 10)), SamplingParams(max_new_tokens=24))])[0]
+    assert r.output_ids == [(10 + i) % V for i in range(24)]
+    look = [c for c in r.metrics.cycles if c.source == "lookup"]
+    assert look and sum(c.accepted for c in look) >= len(look)  # lookup drafts were taken and accepted
+
+
+def test_hybrid_sampled_tokens_follow_the_target():
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    prompt = [4, 9, 2, 4, 9]  # lookup proposes "2 ..." after "4 9"
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
+        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
+        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)
+        want = p1 @ p2
+    n = 3000
+    auto = AutoK(FLAT, 2)
+    auto.shared["lookup2"] = [0.9, 0.9]  # earlier requests found long lookup matches right
+    eng = ReferenceEngine(t, head, 2, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
+    # rows of the repeating prompt take the lookup proposal; rows of [1, 7, 3] (no match) the head
+    reqs = [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i)) for i in range(n)]
+    reqs += [Request([1, 7, 3], SamplingParams(temperature=1.0, max_new_tokens=2, seed=i)) for i in range(200)]
+    res = eng.generate(reqs)
+    second = torch.tensor([r.output_ids[1] for r in res[:n]])
+    emp = torch.bincount(second, minlength=v).float() / n
+    tv = 0.5 * (emp - want).abs().sum().item()
+    assert tv < 0.05, f"total variation {tv:.3f} between emitted and target marginals"
+    srcs = {c.source for r in res for c in r.metrics.cycles if c.drafted}
+    assert "lookup" in srcs and "" in srcs  # both sources were verified in the mixed batches
+
+
+def test_hybrid_needs_auto_a_head_and_a_drafter(llama):
+    t, head, _ = llama
+    with pytest.raises(ValueError, match="hybrid"):
+        ReferenceEngine(t, head, 3, drafter=NgramDrafter(), hybrid=True)

@@ -47,6 +47,9 @@ from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.decode.metrics import summarize_cycles
 
 
+AUTO_DRAFTERS = ("hybrid", "head")
+
+
 @dataclass
 class BenchConfig:
     steps: list[int]
@@ -65,6 +68,7 @@ class BenchConfig:
     slack: float = 0.10
     ngram_steps: list[int] = field(default_factory=list)  # prompt-lookup arms (in-process), by K
     auto_steps: int = 0  # the `auto` arm (in-process): K chosen per cycle in 0..auto_steps; 0 = none
+    auto_drafter: str = "hybrid"  # the auto arm drafts with the head and prompt lookup, or the head alone
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -81,6 +85,8 @@ class BenchConfig:
         self.ngram_steps = sorted(set(self.ngram_steps))
         if self.auto_steps < 0:
             raise ValueError(f"auto_steps must be >= 0, got {self.auto_steps}")
+        if self.auto_drafter not in AUTO_DRAFTERS:
+            raise ValueError(f"auto_drafter is one of {AUTO_DRAFTERS}, got {self.auto_drafter!r}")
 
     @property
     def arms(self) -> list[tuple[str, int]]:
@@ -111,6 +117,7 @@ class Sample:
     repeat: int = 0
     drafter: str = "head"       # "head" (K=0: plain decoding), "ngram" (prompt lookup) or "auto"
     drafted: list[int] | None = None  # per-cycle drafts verified (auto: the K each cycle chose)
+    lookup_cycles: int = 0            # hybrid: cycles that took prompt lookup's proposal
 
 
 def _group(samples: list[Sample], k: int, category: str | None, drafter: str = "head") -> list[Sample]:
@@ -136,6 +143,7 @@ def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
     drafted = [d for s in group for d in (s.drafted or [])]
     if drafted:
         out["mean_k"] = sum(drafted) / len(drafted)
+        out["lookup_share"] = sum(s.lookup_cycles for s in group) / len(drafted)
     out["tokens_per_s"] = statistics.median(per_rep)
     out["tokens_per_s_repeats"] = per_rep
     out["completion_tokens"] = sum(s.completion_tokens for s in group) // repeats
@@ -301,7 +309,7 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
     if cfg.auto_steps:
         curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
         engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
-                                                        max_context, draft_vocab)
+                                                        max_context, draft_vocab, cfg.auto_drafter)
     samples: list[Sample] = []
     arms = cfg.arms
     warm = len(arms) if cfg.warmup else 0
@@ -326,7 +334,8 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
                                           sum(c.draft_s for c in m.cycles),
                                           sum(c.verify_s for c in m.cycles), m.prefill_s, rep,
                                           drafter, [c.drafted for c in m.cycles]
-                                          if drafter == "auto" else None))
+                                          if drafter == "auto" else None,
+                                          sum(c.source == "lookup" for c in m.cycles)))
                     bar.update(1)
                 i += 1
     samples.sort(key=lambda s: (s.drafter, s.steps, s.category, s.prompt_id, s.repeat))
@@ -358,13 +367,19 @@ def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True)
     return curve
 
 
-def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None):
-    """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``."""
+def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
+                drafter: str = "hybrid"):
+    """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``; with
+    ``drafter="hybrid"`` each row also takes prompt lookup's proposal (suffix matches of 1-4
+    tokens) whenever its estimate beats the head's."""
     from fastmtp_sglang.decode.auto import AutoK, StepCosts
     from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.decode.ngram import NgramDrafter
 
+    hybrid = drafter == "hybrid"
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
-                           auto=AutoK(StepCosts.from_curve(curve), kmax))
+                           drafter=NgramDrafter(max_ngram=4) if hybrid else None,
+                           auto=AutoK(StepCosts.from_curve(curve), kmax), hybrid=hybrid)
 
 
 def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:
@@ -477,7 +492,9 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
             f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
     extra_rows = ([(f"prompt lookup {k}", r) for k, r in results.get("ngram", {}).get("overall", {}).items()]
-                  + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f})", r)
+                  + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f}"
+                      + (f", lookup {100 * r['lookup_share']:.0f}% of cycles" if r.get("lookup_share") else "")
+                      + ")", r)
                      for k, r in results.get("auto", {}).get("overall", {}).items()])
     for name, r in extra_rows:
         sp = "-" if bad else f"{r['speedup']:.2f}x"

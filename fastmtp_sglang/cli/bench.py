@@ -119,7 +119,7 @@ def config_from_args(args: argparse.Namespace):
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,
                            ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [],
-                           auto_steps=auto)
+                           auto_steps=auto, auto_drafter=getattr(args, "auto_drafter", "hybrid"))
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -138,6 +138,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "chosen every cycle from this machine's measured costs (in-process)")
     p.add_argument("--auto-max-steps", type=int, default=None, help="the auto arm's largest K "
                    "(default: the largest K in --steps, or 4)")
+    p.add_argument("--auto-drafter", choices=("hybrid", "head"), default="hybrid", help="the auto "
+                   "arm drafts with the head, taking prompt lookup's proposal per request and "
+                   "cycle where it is expected to accept more (hybrid, default), or with the head "
+                   "alone")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")

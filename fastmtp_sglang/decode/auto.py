@@ -95,17 +95,20 @@ class AutoK:
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
         self.shared_alpha = shared_alpha
-        self.shared = [prior] * kmax  # every request's observations, slowly
+        # every request's observations, slowly, per draft source ("head", or "lookup<n>" for a
+        # prompt-lookup proposal whose suffix matched n tokens)
+        self.shared: dict[str, list[float]] = {}
 
-    def new_estimate(self) -> list[float]:
+    def new_estimate(self, source: str = "head") -> list[float]:
         """Where a new request starts: what the requests before it measured."""
-        return list(self.shared)
+        return list(self.shared.setdefault(source, [self.prior] * self.kmax))
 
-    def update(self, est: list[float], k: int, accepted: int) -> None:
+    def update(self, est: list[float], k: int, accepted: int, source: str = "head") -> None:
         """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too."""
         self._observe(est, k, accepted, self.alpha)
         if self.shared_alpha:
-            self._observe(self.shared, k, accepted, self.shared_alpha)
+            shared = self.shared.setdefault(source, [self.prior] * self.kmax)
+            self._observe(shared, k, accepted, self.shared_alpha)
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float) -> None:
@@ -126,6 +129,33 @@ class AutoK:
         rate = [sum(expected_tokens(e, k) for e in ests) / self.costs.cycle_ms(k)
                 for k in range(self.kmax + 1)]
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
+
+    def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
+                      zero_run: int) -> tuple[int, list[bool]]:
+        """Hybrid drafting: K, and for each row whether it drafts with prompt lookup.
+
+        ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
+        match length, proposal length) or None without a proposal. At each K a row takes the
+        source with more expected tokens (a proposal shorter than K is padded, so its extra
+        positions count as misses); a cycle where no row uses the head costs no draft steps."""
+        best = (len(heads) / self.costs.cycle_ms(0), 0, [False] * len(heads))  # K=0: a token per row
+        for k in range(1, self.kmax + 1):
+            total, use, any_head = 0.0, [], False
+            for h, lk in zip(heads, lookups):
+                eh = expected_tokens(h, k)
+                el = expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 0.0
+                take = el > eh
+                use.append(take)
+                any_head |= not take
+                total += el if take else eh
+            ms = self.costs.cycle_ms(k) if any_head else self.costs.cycle_ms(k) - k * self.costs.draft_step
+            if total / ms > best[0]:
+                best = (total / ms, k, use)
+        _, k, use = best
+        if k == 0 and zero_run >= self.probe_every:
+            return 1, [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
+                       for h, lk in zip(heads, lookups)]
+        return k, use
 
     def choose(self, ests: list[list[float]], zero_run: int) -> int:
         """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it."""

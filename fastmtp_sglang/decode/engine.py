@@ -70,6 +70,7 @@ class _Row:
         self.metrics = RequestMetrics(prompt_tokens=len(req.input_ids), steps=steps)
         self.text_checked = 0  # how many output tokens the stop-string check has seen
         self.est: list[float] = []  # auto: running conditional acceptance per draft position
+        self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
 
 
 class ReferenceEngine:
@@ -85,16 +86,22 @@ class ReferenceEngine:
         a cycle where no row has a proposal verifies the pending token alone (K=0 for that cycle)
     auto : an AutoK controller (fastmtp_sglang.decode.auto) that picks each cycle's K in 0..steps
         from measured costs and the rows' running acceptance; None = always ``steps``
+    hybrid : with ``auto``, a ``head`` and a ``drafter``: every cycle each row drafts with the
+        head or takes the drafter's proposal, whichever has more expected accepted tokens
+        (prompt lookup's estimates are kept per length of the suffix it matched)
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
-                 draft_vocab=None, drafter=None, auto=None):
+                 draft_vocab=None, drafter=None, auto=None, hybrid: bool = False):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
             raise ValueError(f"auto chooses K in 0..steps: needs steps >= 1 and auto.kmax == steps "
                              f"(got steps {steps}, kmax {auto.kmax})")
         self.auto = auto  # fastmtp_sglang.decode.auto.AutoK: K chosen per cycle, or None = steps
+        if hybrid and (auto is None or head is None or drafter is None):
+            raise ValueError("hybrid drafting needs auto, a head and a drafter")
+        self.hybrid = hybrid
         if steps > 0 and head is None and drafter is None:
             raise ValueError("steps > 0 needs a draft head (or a drafter such as NgramDrafter)")
         self.drafter = drafter  # fastmtp_sglang.decode.ngram.NgramDrafter: drafts without a model
@@ -191,10 +198,22 @@ class ReferenceEngine:
         return b
 
     def _choose(self, b: "_Batch") -> int:
-        """This cycle's K: ``steps``, or what the auto controller picks for the live rows."""
+        """This cycle's K: ``steps``, or what the auto controller picks for the live rows (and,
+        hybrid, which rows take prompt lookup's proposal: ``b.plan``)."""
         if self.auto is None:
             return self.steps
-        return self.auto.choose([b.rows[i].est for i in b.active.tolist()], b.zero_run)
+        rows = [b.rows[i] for i in b.active.tolist()]
+        if not self.hybrid:
+            return self.auto.choose([r.est for r in rows], b.zero_run)
+        props = [self.drafter.propose_match(r.req.input_ids + r.out, self.steps) for r in rows]
+        looks = []
+        for r, (toks, m) in zip(rows, props):
+            if m and m not in r.est_lookup:
+                r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
+            looks.append((r.est_lookup[m], len(toks)) if m else None)
+        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run)
+        b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
+        return K
 
     def _draft(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
@@ -203,25 +222,58 @@ class ReferenceEngine:
         drafts = torch.empty(n, K, dtype=torch.long, device=dev)
         qs: list = []
         Kc = K
+        if self.hybrid:
+            return self._draft_hybrid(b, K)
         if self.drafter is not None and K:
             drafts, Kc = self._propose(b.rows, b.active, K, b.pending)
             if not b.greedy:  # a deterministic draft: q is one-hot at each proposed token
                 V = self.target.lm_head.weight.shape[0]
                 qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
         elif b.use_head and K:
-            if b.deferred:
-                self._catch_up(b)
-            d, q = b.draft_pick(b.g, b.active)
-            drafts[:, 0] = d
-            qs.append(q)
-            for k in range(2, K + 1):
-                g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], (b.pos + k - 2)[:, None],
-                                 b.dcache, return_logits=False)
-                b.g = g[:, 0]
-                d, q = b.draft_pick(b.g, b.active)
-                drafts[:, k - 1] = d
-                qs.append(q)
+            drafts, qs = self._draft_head(b, K)
         return drafts, qs, Kc
+
+    def _draft_head(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list]:
+        """K recursive head steps for every live row: (drafts [n, K], q per step or None)."""
+        drafts = torch.empty(len(b.active), K, dtype=torch.long, device=self.device)
+        qs: list = []
+        if b.deferred:
+            self._catch_up(b)
+        d, q = b.draft_pick(b.g, b.active)
+        drafts[:, 0] = d
+        qs.append(q)
+        for k in range(2, K + 1):
+            g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], (b.pos + k - 2)[:, None],
+                             b.dcache, return_logits=False)
+            b.g = g[:, 0]
+            d, q = b.draft_pick(b.g, b.active)
+            drafts[:, k - 1] = d
+            qs.append(q)
+        return drafts, qs
+
+    def _draft_hybrid(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list, int]:
+        """Head drafts for the rows that want them (the chain runs for the batch when any row
+        does), prompt lookup's proposal (padded to K) for the others, per ``b.plan``."""
+        n = len(b.active)
+        if K == 0:
+            return torch.empty(n, 0, dtype=torch.long, device=self.device), [], 0
+        lookup = [take for take, _, _ in b.plan]
+        if all(lookup):
+            drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
+            qs: list = [None] * K
+        else:
+            drafts, qs = self._draft_head(b, K)
+        for j, (take, _, toks) in enumerate(b.plan):
+            if take:
+                drafts[j] = torch.tensor((toks + [toks[-1]] * K)[:K], device=self.device)
+        if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
+            V = self.target.lm_head.weight.shape[0]
+            rows = torch.tensor([j for j, t in enumerate(lookup) if t], device=self.device)
+            one = torch.nn.functional.one_hot(drafts[rows], V).float()          # [r, K, V]
+            qs = [one[:, k] if q is None else q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
+            if all(lookup):
+                qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
+        return drafts, qs, K
 
     def _verify(self, b: "_Batch", drafts: torch.Tensor, qs: list, Kc: int):
         """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
@@ -266,8 +318,13 @@ class ReferenceEngine:
             if self.auto is not None and drafts.shape[1] == 0:
                 b.deferred.append((vh, ext_ids, vpos))  # no drafts this cycle: extend later
             else:
+                off = 0
+                if b.deferred:  # a cycle drafted without the head (hybrid) after K=0 cycles
+                    parts = b.deferred + [(vh, ext_ids, vpos)]
+                    vh, ext_ids, vpos = (torch.cat(x, dim=1) for x in zip(*parts))
+                    off, b.deferred = vh.shape[1] - (drafts.shape[1] + 1), []
                 ge, _ = self.head(vh, ext_ids, vpos, b.dcache, return_logits=False)
-                b.g = ge[torch.arange(n, device=self.device), acc]
+                b.g = ge[torch.arange(n, device=self.device), off + acc]
         return bonus
 
     def _catch_up(self, b: "_Batch") -> None:
@@ -286,9 +343,14 @@ class ReferenceEngine:
         b.zero_run = b.zero_run + 1 if Kc == 0 else 0
         for j, i in enumerate(b.active.tolist()):
             r = b.rows[i]
+            took_lookup = self.hybrid and Kc > 0 and b.plan[j][0]
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
-                                             verify_s=t_verify / n, drafted=Kc))
-            if self.auto is not None:
+                                             verify_s=t_verify / n, drafted=Kc,
+                                             source="lookup" if took_lookup else ""))
+            if took_lookup:
+                m = b.plan[j][1]
+                self.auto.update(r.est_lookup[m], Kc, acc_l[j], f"lookup{m}")
+            elif self.auto is not None:
                 self.auto.update(r.est, Kc, acc_l[j])
             self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
             if r.finish is None and int(b.pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
@@ -369,7 +431,8 @@ class _Batch:
     def __init__(self, engine: ReferenceEngine, requests: list[Request]):
         dev, K = engine.device, engine.steps
         self.engine = engine
-        self.use_head = bool(K) and engine.drafter is None
+        self.use_head = bool(K) and (engine.drafter is None or engine.hybrid)
+        self.plan: list[tuple[bool, int, list[int]]] = []  # hybrid: (lookup?, match n, proposal) per row
         self.rows = [_Row(r, i, K) for i, r in enumerate(requests)]
         if engine.auto is not None:
             for row in self.rows:

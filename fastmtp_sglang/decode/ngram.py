@@ -30,6 +30,11 @@ class NgramDrafter:
     def propose(self, seq: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the earliest earlier occurrence of the longest
         matching suffix of ``seq``; [] when nothing matches."""
+        return self.propose_match(seq, k)[0]
+
+    def propose_match(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """:meth:`propose`, and the length n of the suffix that matched (0 when nothing did): the
+        hybrid drafter trusts a long match more than a short one."""
         n_seq = len(seq)
         for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
             pat = seq[n_seq - n:]
@@ -39,5 +44,5 @@ class NgramDrafter:
                 if seq[i] == first and seq[i:i + n] == pat:
                     cont = seq[i + n: i + n + k]
                     if cont:
-                        return cont
-        return []
+                        return cont, n
+        return [], 0
