@@ -69,6 +69,8 @@ class BenchConfig:
     ngram_steps: list[int] = field(default_factory=list)  # prompt-lookup arms (in-process), by K
     auto_steps: int = 0  # the `auto` arm (in-process): K chosen per cycle in 0..auto_steps; 0 = none
     auto_drafter: str = "hybrid"  # the auto arm drafts with the head and prompt lookup, or the head alone
+    auto_alpha: float = 0.2       # the auto controller's per-request moving-average weight
+    auto_probe_every: int = 16    # cycles at K=0 before the controller drafts once at K=1
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -309,7 +311,8 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
     if cfg.auto_steps:
         curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
         engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
-                                                        max_context, draft_vocab, cfg.auto_drafter)
+                                                        max_context, draft_vocab, cfg.auto_drafter,
+                                                        cfg.auto_alpha, cfg.auto_probe_every)
     samples: list[Sample] = []
     arms = cfg.arms
     warm = len(arms) if cfg.warmup else 0
@@ -368,7 +371,7 @@ def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True)
 
 
 def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
-                drafter: str = "hybrid"):
+                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16):
     """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``; with
     ``drafter="hybrid"`` each row also takes prompt lookup's proposal (suffix matches of 1-4
     tokens) whenever its estimate beats the head's."""
@@ -379,7 +382,8 @@ def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, 
     hybrid = drafter == "hybrid"
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
-                           auto=AutoK(StepCosts.from_curve(curve), kmax), hybrid=hybrid)
+                           auto=AutoK(StepCosts.from_curve(curve), kmax, alpha=alpha,
+                                      probe_every=probe_every), hybrid=hybrid)
 
 
 def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:

@@ -119,7 +119,9 @@ def config_from_args(args: argparse.Namespace):
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,
                            ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [],
-                           auto_steps=auto, auto_drafter=getattr(args, "auto_drafter", "hybrid"))
+                           auto_steps=auto, auto_drafter=getattr(args, "auto_drafter", "hybrid"),
+                           auto_alpha=getattr(args, "auto_alpha", 0.2),
+                           auto_probe_every=getattr(args, "auto_probe_every", 16))
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -142,6 +144,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "arm drafts with the head, taking prompt lookup's proposal per request and "
                    "cycle where it is expected to accept more (hybrid, default), or with the head "
                    "alone")
+    p.add_argument("--auto-alpha", type=float, default=0.2, help="auto: weight of a cycle in a "
+                   "request's running acceptance estimate (default 0.2)")
+    p.add_argument("--auto-probe-every", type=int, default=16, help="auto: cycles at K=0 before "
+                   "one cycle drafts at K=1 to re-measure (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")
