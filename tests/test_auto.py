@@ -70,6 +70,16 @@ def test_probe_after_a_run_of_plain_cycles():
         AutoK(FLAT, 0)
 
 
+def second_token_marginal(t, prompt: list[int], v: int) -> torch.Tensor:
+    """The target's distribution of the second generated token, sum_x p(x | prompt) p(y | prompt, x)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)                 # [v]
+        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)    # [v, len + 1]
+        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)                 # [v, v]
+        return p1 @ p2
+
+
 @pytest.fixture(scope="module")
 def llama():
     t = tiny_target("llama")
@@ -131,12 +141,7 @@ def test_auto_sampled_tokens_follow_the_target():
     with torch.no_grad():
         head.final_norm.weight.mul_(4.0)
     prompt = [4, 9, 2]
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
-        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
-        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)
-        want = p1 @ p2
+    want = second_token_marginal(t, prompt, v)
     n = 3000
     eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i))
@@ -194,12 +199,7 @@ def test_hybrid_sampled_tokens_follow_the_target():
     with torch.no_grad():
         head.final_norm.weight.mul_(4.0)
     prompt = [4, 9, 2, 4, 9]  # lookup proposes "2 ..." after "4 9"
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
-        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
-        p2 = torch.softmax(t.model(both).logits[:, -1].float(), -1)
-        want = p1 @ p2
+    want = second_token_marginal(t, prompt, v)
     n = 3000
     auto = AutoK(FLAT, 2)
     auto.shared["lookup2"] = [0.9, 0.9]  # earlier requests found long lookup matches right

@@ -60,7 +60,7 @@ class BenchConfig:
     repeats: int = 3
     seed: int = 0
     warmup: bool = True
-    # Guard bounds. Spread: (max - min) / median of one K's tokens/s over repeats; idle runs of
+    # Guard bounds. Spread: (max - min) / median of one arm's paired speedup over repeats; idle runs of
     # the demo measured 1-6%, runs beside a concurrent job 20-60%. Slack: how far a speedup may
     # sit above its physical bound before the run is called contaminated (per-cycle costs are
     # themselves measured, so a few percent of noise is expected).

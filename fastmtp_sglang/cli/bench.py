@@ -111,7 +111,7 @@ def config_from_args(args: argparse.Namespace):
     from fastmtp_sglang.benchmark.sweep import BenchConfig
 
     try:
-        steps, auto = parse_steps_auto(args.steps, getattr(args, "auto_max_steps", None))
+        steps, auto = parse_steps_auto(args.steps, args.auto_max_steps)
         if auto and args.url:
             raise FastMTPError("--steps auto runs in-process (the reference engine picks K per "
                                "cycle): drop --url, or use fastmtp serve --engine sglang --steps auto")
@@ -119,9 +119,8 @@ def config_from_args(args: argparse.Namespace):
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,
                            ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [],
-                           auto_steps=auto, auto_drafter=getattr(args, "auto_drafter", "hybrid"),
-                           auto_alpha=getattr(args, "auto_alpha", 0.2),
-                           auto_probe_every=getattr(args, "auto_probe_every", 16))
+                           auto_steps=auto, auto_drafter=args.auto_drafter,
+                           auto_alpha=args.auto_alpha, auto_probe_every=args.auto_probe_every)
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 

@@ -6,8 +6,9 @@ batch 1 after a ``context``-token cache, with warm-up, the order of the shapes r
 repeats, and medians. Beside every cost stands its memory-bound floor: the bytes of weights the
 call must read once, divided by this machine's measured read bandwidth (a large fp32 sum).
 
-The cost model of docs/design.md section 2 reads off it: a cycle at K costs
-``verify(K + 1) + (K - 1) * draft_step + extend(accepted + 1)`` and emits ``1 + accepted`` tokens.
+The cost model of docs/design.md section 2 reads off it: a cycle at K costs about
+``verify(K + 1) + K * draft_step + extend`` (the first draft needs only the projection, so this
+slightly overestimates) and emits ``1 + accepted`` tokens; fastmtp_sglang.decode.auto uses it.
 """
 
 from __future__ import annotations

@@ -268,11 +268,12 @@ class ReferenceEngine:
                 drafts[j] = torch.tensor((toks + [toks[-1]] * K)[:K], device=self.device)
         if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
             V = self.target.lm_head.weight.shape[0]
-            rows = torch.tensor([j for j, t in enumerate(lookup) if t], device=self.device)
-            one = torch.nn.functional.one_hot(drafts[rows], V).float()          # [r, K, V]
-            qs = [one[:, k] if q is None else q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
             if all(lookup):
                 qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
+            else:
+                rows = torch.tensor([j for j, t in enumerate(lookup) if t], device=self.device)
+                one = torch.nn.functional.one_hot(drafts[rows], V).float()      # [r, K, V]
+                qs = [q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
         return drafts, qs, K
 
     def _verify(self, b: "_Batch", drafts: torch.Tensor, qs: list, Kc: int):
