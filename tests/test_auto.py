@@ -220,3 +220,34 @@ def test_hybrid_needs_auto_a_head_and_a_drafter(llama):
     t, head, _ = llama
     with pytest.raises(ValueError, match="hybrid"):
         ReferenceEngine(t, head, 3, drafter=NgramDrafter(), hybrid=True)
+
+
+def test_k_falls_to_zero_as_the_batch_grows():
+    """K per batch size: cheap verification at batch 1, verification that grows with the rows
+    at batch 16 (compute-bound): the same acceptance gets Kmax alone and K=0 in a batch of 16,
+    a smaller K in between, and costs between measured batch sizes are interpolated."""
+    b16 = StepCosts({1: 100.0, 2: 190.0, 4: 370.0, 6: 550.0}, draft_step=6.0, extend=8.0)
+    costs = StepCosts(dict(FLAT.verify), FLAT.draft_step, FLAT.extend, by_batch={16: b16})
+    assert costs.cycle_ms(2, 1) == FLAT.cycle_ms(2)
+    assert costs.cycle_ms(2, 16) == pytest.approx(b16.cycle_ms(2))
+    mid = costs.cycle_ms(2, 8)
+    assert FLAT.cycle_ms(2) < mid < b16.cycle_ms(2)
+    assert mid == pytest.approx(FLAT.cycle_ms(2) + (b16.cycle_ms(2) - FLAT.cycle_ms(2)) * 7 / 15)
+    auto = AutoK(costs, 5)
+    ks = {b: auto.best([[0.7] * 5] * b) for b in (1, 4, 8, 16, 32)}
+    assert ks[1] == 5 and ks[16] == 0 and ks[32] == 0
+    assert ks[1] >= ks[4] >= ks[8] >= ks[16]
+
+
+def test_step_costs_from_batched_curves(llama_target):
+    from fastmtp_sglang.core.target import load_target
+    from fastmtp_sglang.decode.costs import measure
+
+    t = load_target(llama_target.path, "float32")
+    head = random_head(t, "deepseek")
+    curves = [measure(t, head, ns=(1, 2, 3), context=16, repeats=2, warmup=1, bandwidth_mib=8,
+                      batch=b) for b in (1, 4)]
+    assert [c.batch for c in curves] == [1, 4]
+    sc = StepCosts.from_curve(curves[0], curves[1:])
+    assert set(sc.by_batch) == {4} and sc.by_batch[4].verify == curves[1].verify_ms
+    assert sc.cycle_ms(2, 4) == pytest.approx(sc.by_batch[4].cycle_ms(2))

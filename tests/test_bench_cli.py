@@ -72,3 +72,56 @@ def test_bench_auto_arm_is_keyed_auto_and_lossless(llama_target, tmp_path, run_c
     rc, _, err = run_cli("bench", "--url", "http://127.0.0.1:9", "--target", llama_target.path,
                          "--prompts", prompts, "--steps", "0,auto", "--out", tmp_path / "u")
     assert rc == 1 and "--steps auto runs in-process" in err
+
+
+def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_path, run_cli):
+    """`--concurrency 1,3`: every arm (K=0, the head at K=2, prompt lookup, auto) at every level
+    in one report keyed by level then arm, each with output_tokens_per_s, latency percentiles,
+    the accept length and the speedup over K=0 (1.0 for K=0 itself); then the same levels
+    against a running server via --url."""
+    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.core.target import load_target
+    from fastmtp_sglang.serving.app import ReferenceServer
+
+    cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
+    torch.manual_seed(0)
+    head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
+                       llama_target.model.get_output_embeddings())
+    draft = tmp_path / "draft"
+    save_draft_dir(draft, cfg, head.state_dict())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
+                               enumerate(["a list is a list is a list", "the value of the value",
+                                          "return the value"])))
+    out = tmp_path / "r"
+    rc, stdout, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
+                              prompts, "--raw", "--steps", "0,2,auto", "--ngram-steps", "2",
+                              "--repeats", "2", "--max-new-tokens", "6", "--dtype", "float32",
+                              "--vocab", "full", "--concurrency", "1,3", "--out", out, "--no-progress")
+    assert rc == 0, err
+    res = json.loads((out / "results.json").read_text())
+    table = res["results"]["concurrency"]
+    assert set(table) == {"1", "3"}
+    for level, arms in table.items():
+        assert set(arms) == {"0", "2", "lookup2", "auto"}
+        for arm, s in arms.items():
+            assert s["output_tokens_per_s"] > 0 and s["requests"] == max(3, 2 * int(level))
+            assert s["ttft_s_p50"] <= s["ttft_s_p90"] and s["tpot_s_p50"] <= s["tpot_s_p90"]
+            assert 1.0 <= s["accept_length"] <= 3.0
+        assert arms["0"]["speedup"] == 1.0 and arms["0"]["accept_length"] == 1.0
+    # every request of every run answered with all its tokens (6 each, ignore_eos not set: <= 6)
+    assert all(0 < q["tokens"] <= 6 for run in res["runs"] for q in run["requests"])
+    assert len(res["runs"]) == 4 * 2 * 2  # arms x levels x repeats
+    assert (out / "results.png").stat().st_size > 1000
+    assert "| concurrency |" in (out / "results.md").read_text()
+
+    target = load_target(llama_target.path, "float32")
+    with ReferenceServer(ReferenceEngine(target, None, 0), "127.0.0.1", 0, max_batch=4) as srv:
+        out2 = tmp_path / "r2"
+        rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
+                             prompts, "--raw", "--steps", "0", "--repeats", "1", "--max-new-tokens",
+                             "5", "--concurrency", "2", "--no-warmup", "--out", out2, "--no-progress")
+    assert rc == 0, err
+    t2 = json.loads((out2 / "results.json").read_text())["results"]["concurrency"]
+    assert set(t2) == {"2"} and set(t2["2"]) == {"0"} and t2["2"]["0"]["requests"] == 4

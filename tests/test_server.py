@@ -335,16 +335,16 @@ def test_engine_failure_fails_the_batch_with_500_then_recovers(world, local_targ
     from fastmtp_sglang.serving.app import ReferenceServer
 
     engine = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
-    real = engine.generate
+    real = engine.start
     calls = []
 
-    def flaky(reqs, on_tokens=None):
+    def flaky(reqs, keys, on_tokens=None):
         calls.append(len(reqs))
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return real(reqs, on_tokens=on_tokens)
+        return real(reqs, keys, on_tokens)
 
-    engine.generate = flaky
+    engine.start = flaky
     with ReferenceServer(engine, "127.0.0.1", 0, model_path=str(world[0])) as srv:
         with pytest.raises(client.ServerError) as err:
             client.generate(srv.url, input_ids=[5, 6], sampling_params=GREEDY)
@@ -367,6 +367,42 @@ def test_client_reports_unreachable_server():
 def test_cli_refuses_steps_without_draft(world, run_cli):
     rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--steps", "2")
     assert rc == 1 and "needs --draft" in err
+
+
+def test_serve_without_a_draft_serves_plain_decoding_and_says_so(world, tmp_path):
+    """`fastmtp serve --target T`: no --draft, no --steps: plain decoding (K=0) in one line, the
+    engine loop on the process's main thread, SIGTERM still a clean exit 0."""
+    from conftest import reference_server_process
+
+    _, _, tok, model = world
+    ids = tok(PROMPTS[0])["input_ids"]
+    log = tmp_path / "serve.log"
+    with reference_server_process(["--target", str(world[0]), "--max-context", str(MAX_CONTEXT)],
+                                  log) as (url, proc):
+        out = client.generate(url, input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == greedy_oracle(model, ids)
+        assert client.server_info(url)["speculative_algorithm"] is None
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    text = log.read_text()
+    assert "no --draft: plain decoding (K=0)" in text and "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_serve_without_a_draft_picks_the_shipped_head_for_the_demo_target(capsys):
+    """The demo target without --draft gets the head shipped for it, at K=3."""
+    import argparse
+
+    from fastmtp_sglang.cli.demo import shipped_head
+    from fastmtp_sglang.cli.serve import default_draft
+    from fastmtp_sglang.core.demo_target import materialize_smollm2
+
+    if shipped_head() is None:
+        pytest.skip("no head ships with this checkout")
+    args = argparse.Namespace(target=str(materialize_smollm2()), draft=None, steps=None)
+    default_draft(args)
+    assert args.draft == str(shipped_head()) and args.steps == 3
+    assert "serving the head shipped for this target" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_draft_that_does_not_fit(world, llama_target, run_cli):
@@ -456,9 +492,9 @@ POISON = [7, 7, 7, 7]  # a prompt starting with these makes the faulty engine be
 
 
 def faulty_engine(target, delay_s: float = 0.0, fail_after: int | None = None):
-    """A K=0 ReferenceEngine whose target forward sleeps ``delay_s``, and whose ``generate``
-    raises on any batch holding a POISON prompt: at once, or (``fail_after``) after that many
-    token callbacks, when the other rows have already streamed tokens."""
+    """A K=0 ReferenceEngine whose target forward sleeps ``delay_s``, and which raises on any
+    batch holding a POISON prompt: at its prefill, or (``fail_after``) once that many tokens
+    were emitted in cycles of batches holding it, when the other rows have already streamed."""
     from fastmtp_sglang.decode.engine import ReferenceEngine
 
     class Faulty(ReferenceEngine):
@@ -466,21 +502,24 @@ def faulty_engine(target, delay_s: float = 0.0, fail_after: int | None = None):
             time.sleep(delay_s)
             return super()._target(*args, **kwargs)
 
-        def generate(self, requests, on_tokens=None):
-            if not any(list(r.input_ids[:4]) == POISON for r in requests):
-                return super().generate(requests, on_tokens=on_tokens)
-            if fail_after is None:
+        def _prefill(self, requests, keys, on_tokens):
+            if fail_after is None and any(list(r.input_ids[:4]) == POISON for r in requests):
                 raise RuntimeError("poisoned")
-            calls = []
+            return super()._prefill(requests, keys, on_tokens)
 
-            def counting(i, ids):
-                on_tokens(i, ids)
-                calls.append(i)
+        def step(self, b, on_tokens=None):
+            if fail_after is None or not any(list(r.req.input_ids[:4]) == POISON for r in b.rows):
+                return super().step(b, on_tokens)
+
+            def counting(key, ids):
+                on_tokens(key, ids)
+                calls.append(key)
                 if len(calls) >= fail_after:
                     raise RuntimeError("poisoned mid-generation")
 
-            return super().generate(requests, on_tokens=counting)
+            return super().step(b, counting)
 
+    calls: list = []
     return Faulty(target, None, 0, MAX_CONTEXT)
 
 
@@ -525,6 +564,42 @@ def test_a_poisoned_request_fails_alone(world, local_target):
         assert info["largest_batch"] == 5 and info["batches_retried"] >= 1
         assert info["requests_failed"] == 1 and info["requests_served"] == 4
         assert info["requests_in_flight"] == 0 and info["admitted"] == 0
+
+
+def test_a_stream_rerun_after_a_fault_resumes_from_what_it_sent(world, local_target):
+    """The engine fails mid-generation on a batch holding a stream that has already sent
+    tokens: the stream's re-run starts from its prompt plus the tokens it sent (so a re-run
+    that would decode differently, as bf16 may, cannot contradict them), its events only ever
+    grow, and its answer is the whole output."""
+    from fastmtp_sglang.serving.app import ReferenceServer
+
+    _, _, tok, model = world
+    ids = tok(PROMPTS[1])["input_ids"]
+    want = greedy_oracle(model, ids)
+    engine = faulty_engine(local_target, fail_after=6, delay_s=0.01)
+    prefills = []
+    real = engine._prefill
+
+    def recording(requests, keys, on_tokens):
+        prefills.append([list(r.input_ids) for r in requests])
+        return real(requests, keys, on_tokens)
+
+    engine._prefill = recording
+    with ReferenceServer(engine, "127.0.0.1", 0, max_batch=2, batch_window_s=5.0) as srv:
+        with ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(lambda: list(client.stream_generate(
+                srv.url, input_ids=ids, sampling_params=GREEDY)))
+            poisoned = pool.submit(client.generate, srv.url, input_ids=POISON + [5],
+                                   sampling_params=GREEDY)
+            with pytest.raises(client.ServerError):
+                poisoned.result()
+            chunks = stream.result()
+    assert chunks[-1]["output_ids"] == want
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    resumed = [p for run in prefills[1:] for p in run if p[: len(ids)] == ids]
+    assert resumed and len(resumed[0]) > len(ids), prefills  # it resumed after what it had sent
+    assert resumed[0] == ids + want[: len(resumed[0]) - len(ids)]
 
 
 def _stream_then_leave(url: str, body: dict, n_events: int) -> int:

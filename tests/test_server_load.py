@@ -43,24 +43,24 @@ N_CLIENTS = 64
 GREEDY = {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}
 PROMPTS = ["def add(a, b):", "The list is a sequence", "Hello there", "import os\nprint("]
 
-# Run in the server process before the CLI: the poisoned request makes generate() raise (as a
+# Run in the server process before the CLI: the poisoned request makes its prefill raise (as a
 # bug in the engine would), and each target forward sleeps 5 ms so that batches overlap.
 PRELUDE = f"""
 import time
 from fastmtp_sglang.decode import engine as _engine
 
-_generate, _target = _engine.ReferenceEngine.generate, _engine.ReferenceEngine._target
+_prefill, _target = _engine.ReferenceEngine._prefill, _engine.ReferenceEngine._target
 
-def generate(self, requests, on_tokens=None):
+def prefill(self, requests, keys, on_tokens):
     if any(list(r.input_ids[:4]) == {POISON!r} for r in requests):
         raise RuntimeError("injected fault: a poisoned request")
-    return _generate(self, requests, on_tokens=on_tokens)
+    return _prefill(self, requests, keys, on_tokens)
 
 def target(self, *args, **kwargs):
     time.sleep(0.005)
     return _target(self, *args, **kwargs)
 
-_engine.ReferenceEngine.generate, _engine.ReferenceEngine._target = generate, target
+_engine.ReferenceEngine._prefill, _engine.ReferenceEngine._target = prefill, target
 """
 
 

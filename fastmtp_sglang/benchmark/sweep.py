@@ -300,19 +300,10 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
     arm uses ``cost_curve`` (measured here when None: :func:`auto_costs`)."""
     from tqdm import tqdm
 
-    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
-    from fastmtp_sglang.decode.ngram import NgramDrafter
+    from fastmtp_sglang.decode.engine import Request
     from fastmtp_sglang.decode.sampling import SamplingParams
 
-    engines = {("head", k): ReferenceEngine(target, head if k else None, k, max_context,
-                                            draft_vocab=draft_vocab if k else None) for k in cfg.steps}
-    engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
-                    for k in cfg.ngram_steps})
-    if cfg.auto_steps:
-        curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
-        engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
-                                                        max_context, draft_vocab, cfg.auto_drafter,
-                                                        cfg.auto_alpha, cfg.auto_probe_every)
+    engines = build_engines(target, head, cfg, max_context, draft_vocab, cost_curve, progress)
     samples: list[Sample] = []
     arms = cfg.arms
     warm = len(arms) if cfg.warmup else 0
@@ -348,30 +339,61 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
 def cost_line(curve) -> str:
     """One line a user reads the speedups by: what verifying and drafting cost on this CPU."""
     n = max(curve.verify_ms)
-    return (f"on this CPU ({curve.cpu['model']}, {curve.dtype}): verifying {n} tokens costs "
+    at = f" at batch {curve.batch}" if getattr(curve, "batch", 1) > 1 else ""
+    return (f"on this CPU ({curve.cpu['model']}, {curve.dtype}{at}): verifying {n} tokens costs "
             f"{curve.verify_ratio(n):.2f}x one token ({curve.verify_ms[n]:.1f} vs {curve.plain_ms:.1f} ms, "
             f"memory floor {curve.verify_floor_ms:.1f} ms); a draft step {curve.draft_step_ms:.1f} ms")
 
 
-def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True):
+def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None, draft_vocab=None,
+                  cost_curve=None, progress: bool = True,
+                  cost_batches: tuple[int, ...] = ()) -> dict[tuple[str, int], Any]:
+    """One reference engine per arm of ``cfg`` (``cfg.arms``), all sharing ``target`` and
+    ``head``. The auto arm uses ``cost_curve`` (measured here when None: :func:`auto_costs`),
+    and the same costs measured at ``cost_batches`` rows (K per batch size)."""
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.decode.ngram import NgramDrafter
+
+    engines = {("head", k): ReferenceEngine(target, head if k else None, k, max_context,
+                                            draft_vocab=draft_vocab if k else None) for k in cfg.steps}
+    engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
+                    for k in cfg.ngram_steps})
+    if cfg.auto_steps:
+        curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
+        batched = [auto_costs(target, head, cfg.auto_steps, draft_vocab, progress, batch=b)
+                   for b in cost_batches if b > 1]
+        engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
+                                                        max_context, draft_vocab, cfg.auto_drafter,
+                                                        cfg.auto_alpha, cfg.auto_probe_every,
+                                                        batched)
+    return engines
+
+
+def arm_key(drafter: str, k: int) -> str:
+    """An arm's key in results.json: "0", "3" (the head at K), "lookup3", "auto"."""
+    return {"head": str(k), "ngram": f"lookup{k}", "auto": "auto"}[drafter]
+
+
+def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True, batch: int = 1):
     """This machine's cost curve for the ``auto`` arm (verify 1..kmax+1 tokens, draft step, draft
-    extend; batch 1, a few seconds; fastmtp_sglang.decode.costs)."""
+    extend; at ``batch`` rows, a few seconds; fastmtp_sglang.decode.costs)."""
     from fastmtp_sglang.decode.costs import measure
 
     if head is None:
         raise FastMTPError("the auto arm drafts with the head: give --draft")
     if progress:
         print(f"auto: measuring this machine's cost curve (verify 1..{kmax + 1} tokens, draft step, "
-              "draft extend)", file=sys.stderr)
+              f"draft extend) at batch {batch}", file=sys.stderr)
     curve = measure(target, head, draft_vocab, ns=tuple(range(1, kmax + 2)), repeats=7, warmup=2,
-                    bandwidth_mib=256)  # larger than the last-level cache
+                    bandwidth_mib=256, batch=batch)  # larger than the last-level cache
     if progress:
         print("auto: " + cost_line(curve), file=sys.stderr)
     return curve
 
 
 def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
-                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16):
+                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16,
+                batched_curves: list | None = None):
     """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``; with
     ``drafter="hybrid"`` each row also takes prompt lookup's proposal (suffix matches of 1-4
     tokens) whenever its estimate beats the head's."""
@@ -382,7 +404,7 @@ def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, 
     hybrid = drafter == "hybrid"
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
-                           auto=AutoK(StepCosts.from_curve(curve), kmax, alpha=alpha,
+                           auto=AutoK(StepCosts.from_curve(curve, batched_curves), kmax, alpha=alpha,
                                       probe_every=probe_every), hybrid=hybrid)
 
 

@@ -4,6 +4,8 @@
       --prompts bench/data/spec_bench.jsonl --limit-per-category 2 --out R/
   fastmtp bench --url http://127.0.0.1:30000 --url http://127.0.0.1:30001 --target T \\
       --prompts bench/data/spec_bench.jsonl --out R/
+  fastmtp bench --engine reference --target T --draft D --steps 0,1,3,auto --ngram-steps 3 \\
+      --concurrency 1,2,4,8,16 --prompts bench/data/spec_bench.jsonl --out R/
 
 bench/data/spec_bench.jsonl also ships in the wheel: --prompts "$(python -m fastmtp_sglang.cli.prompt_files spec_bench.jsonl)"
 """
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import run_in_process, run_urls, summarize, write_results
 
     cfg = config_from_args(args)
+    if args.concurrency:
+        from fastmtp_sglang.cli.bench_concurrency import run_concurrency
+
+        return run_concurrency(args, cfg)
     meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "config": cfg.__dict__, "target": args.target, "draft": args.draft,
             "label": args.label or default_label(args, cfg)}
@@ -193,5 +199,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory for results.json/.md/.png")
     p.add_argument("--label", default=None, help="title for the report (default: target + draft, "
                    "K values, decoding mode)")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels, e.g. 1,2,4,8,16: "
+                   "throughput under load instead of batch-1 latency; at each level that many "
+                   "closed-loop streaming clients share the prompt list, per arm (results."
+                   "concurrency in results.json, a plot of throughput against concurrency)")
+    p.add_argument("--requests-per-level", type=int, default=None, help="--concurrency: requests "
+                   "per level and arm (default: the number of prompts; at least 2 per client)")
+    p.add_argument("--emit-engine-config", action="store_true", help="--concurrency: also write "
+                   "the K-per-batch-size tables this run measured, for SGLang "
+                   "(--speculative-adaptive-config) and vLLM (num_speculative_tokens_per_batch_size)")
     add_common(p)
     p.set_defaults(func=run)

@@ -10,8 +10,10 @@ SGLang's launcher unchanged (the reference engine refuses them).
 
 The reference server speaks SGLang's native API (POST /generate, POST /abort_request, GET
 /health, /server_info, /get_model_info; see fastmtp_sglang.serving.protocol) on FastAPI + uvicorn, SGLang's
-own HTTP stack, and batches concurrent requests: up to ``--max-batch`` waiting requests run as one
-engine batch. It applies no chat template, and samples at temperature 1.0 when a request gives
+own HTTP stack, and batches continuously: requests join the running engine batch between verify
+cycles (up to ``--max-batch`` rows) and leave it when done; the engine runs on the process's main
+thread, HTTP on its own. Without ``--draft`` it serves the head shipped for the demo target when
+given that target, and plain decoding otherwise (it says which). It applies no chat template, and samples at temperature 1.0 when a request gives
 none, as SGLang does. It is meant to sit behind a load balancer: at most ``--max-queue`` requests
 wait (more get 503 + Retry-After), bodies over ``--max-body-mb`` get 413 before they are read, a
 client that disconnects aborts its request, and SIGTERM / Ctrl-C stops accepting, gives requests
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from fastmtp_sglang.core.errors import FastMTPError
@@ -92,6 +96,7 @@ def build_reference_server(args: argparse.Namespace):
     ReferenceServer (fastmtp_sglang.serving.reference)."""
     from fastmtp_sglang.serving.reference import load_reference_server
 
+    default_draft(args)
     if args.steps < 0:
         raise FastMTPError(f"--steps must be >= 0, got {args.steps}")
     if args.max_batch < 1:
@@ -144,11 +149,51 @@ def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
     os._exit(0)
 
 
+def _made_for(draft, target) -> bool:
+    """Whether a draft directory was made for this target (sizes, config and tokenizer hash)."""
+    from transformers import AutoTokenizer
+
+    from fastmtp_sglang.core.draft_dir import read_config
+    from fastmtp_sglang.core.target import check_fits
+
+    try:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+        tok = AutoTokenizer.from_pretrained(str(target))
+        return all(ok for _, ok, _ in check_fits(read_config(draft), cfg, tok))
+    except Exception:  # an unreadable target is reported by the loader, with its own message
+        return False
+
+
+def default_draft(args: argparse.Namespace) -> None:
+    """Without --draft: the head shipped with the package when it was made for this target
+    (the demo target), else plain decoding; says which in one line. --steps defaults to 3
+    with a draft, 0 without."""
+    if args.draft is not None:
+        args.steps = 3 if args.steps is None else args.steps
+        return
+    if args.steps != 0:
+        from fastmtp_sglang.cli.demo import shipped_head
+
+        shipped = shipped_head()
+        if shipped is not None and _made_for(shipped, args.target):
+            args.draft, args.steps = str(shipped), 3 if args.steps is None else args.steps
+            print(f"fastmtp serve: no --draft: serving the head shipped for this target "
+                  f"({shipped}) at K={args.steps}", flush=True)
+            return
+        if args.steps is not None:
+            raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
+    args.steps = 0
+    print("fastmtp serve: no --draft: plain decoding (K=0); give --draft DIR to speculate",
+          flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     extra = _extra_args(args.sglang_args)
     engine, why = pick_engine(args.engine)
     if args.engine == "auto":
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
+    if engine != "reference":
+        default_draft(args)
     if engine == "sglang":
         return run_sglang(args, extra)
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
@@ -169,9 +214,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "after `--` go to vllm serve)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face format)")
     p.add_argument("--draft", default=None,
-                   help="draft directory (FastMTP head); optional only with --steps 0")
-    p.add_argument("--steps", type=int, default=3,
-                   help="K, tokens drafted per verification (default 3); 0 = plain decoding")
+                   help="draft directory (FastMTP head); default: the head shipped for the demo "
+                        "target when serving it, else none (plain decoding)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="K, tokens drafted per verification (default 3 with a draft, 0 without); "
+                        "0 = plain decoding")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000,
                    help="port (default 30000, SGLang's); reference engine: 0 = any free port")

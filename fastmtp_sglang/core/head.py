@@ -178,6 +178,13 @@ class HeadKVCache:
         self.k = self.k[rows]
         self.v = self.v[rows]
 
+    def extend(self, other: "HeadKVCache") -> None:
+        """Append another cache's rows (requests joining a running batch)."""
+        if other.max_len != self.max_len:
+            raise ValueError(f"head caches of {self.max_len} and {other.max_len} positions")
+        self.k = torch.cat([self.k, other.k])
+        self.v = torch.cat([self.v, other.v])
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: HeadConfig):

@@ -5,7 +5,9 @@ For a row whose step-j drafts are accepted with (conditional) probability a_j, a
 ``E(K) = 1 + sum_{k<=K} prod_{j<=k} a_j`` tokens on average and costs
 ``T(K) = verify(K+1) + K * draft_step + extend`` (``T(0) = verify(1)``: plain decoding, no draft
 work at all). The controller picks the K in 0..Kmax with the most expected tokens per second,
-``sum_rows E_r(K) / T(K)`` for a batch that shares one cycle. Anchors: vLLM's adaptive-K goodput
+``sum_rows E_r(K) / T_B(K)`` for a batch of B rows that shares one cycle, with T_B from the
+costs measured at batch sizes around B (so K falls, then reaches 0, as the batch grows and
+verification stops being free). Anchors: vLLM's adaptive-K goodput
 rule ``E_acc(K) / (1 + K c_draft)``, SGLang 0.5.23's ``--speculative-adaptive``.
 
 Acceptance estimates start from a prior and follow each row's cycles with an exponential moving
@@ -20,29 +22,37 @@ Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class StepCosts:
-    """Milliseconds of the calls of one cycle at batch 1.
+    """Milliseconds of the calls of one cycle at batch 1, and optionally at larger batches.
 
     verify : {n: ms} for the target forward over n new tokens (n = 1 is a plain step); n between
         measured points is interpolated, beyond the last one extrapolated linearly
     draft_step : one head step with its projection
     extend : the head's draft extend over the accepted positions
+    by_batch : {B: StepCosts measured with B rows}; a cycle of a batch of B rows costs what the
+        nearest measured batch sizes say (linear in B between them, and beyond the largest)
     """
     verify: dict[int, float]
     draft_step: float
     extend: float
+    by_batch: dict[int, "StepCosts"] = field(default_factory=dict)
 
     @classmethod
-    def from_curve(cls, curve) -> "StepCosts":
-        """From a :class:`fastmtp_sglang.decode.costs.CostCurve` (measured with a head)."""
+    def from_curve(cls, curve, batched: list | None = None) -> "StepCosts":
+        """From a :class:`fastmtp_sglang.decode.costs.CostCurve` (measured with a head) at batch
+        1, and optionally curves of the same calls at larger batches."""
         if curve.draft_step_ms is None:
             raise ValueError("the cost curve was measured without a head: no draft-step cost")
         ext = sorted(curve.extend_ms.values())
-        return cls(dict(curve.verify_ms), curve.draft_step_ms, ext[len(ext) // 2] if ext else 0.0)
+        own = cls(dict(curve.verify_ms), curve.draft_step_ms, ext[len(ext) // 2] if ext else 0.0)
+        for c in batched or []:
+            if getattr(c, "batch", 1) > 1:
+                own.by_batch[c.batch] = cls.from_curve(c)
+        return own
 
     def verify_ms(self, n: int) -> float:
         pts = sorted(self.verify)
@@ -57,8 +67,31 @@ class StepCosts:
         t = (n - lo) / (hi - lo)
         return self.verify[lo] * (1 - t) + self.verify[hi] * t
 
-    def cycle_ms(self, k: int) -> float:
+    def cycle_ms(self, k: int, batch: int = 1) -> float:
+        """A cycle at K of a batch of ``batch`` rows."""
+        return _at_batch(self, batch, lambda c: c._cycle_ms(k))
+
+    def _cycle_ms(self, k: int) -> float:
         return self.verify_ms(1) if k == 0 else self.verify_ms(k + 1) + k * self.draft_step + self.extend
+
+    def draft_ms(self, k: int, batch: int = 1) -> float:
+        """The head's share of a cycle at K: K draft steps, at the batch's size."""
+        return _at_batch(self, batch, lambda c: k * c.draft_step)
+
+
+def _at_batch(costs: StepCosts, batch: int, fn) -> float:
+    """``fn(costs at batch)``: from the measured batch sizes around ``batch``, linear in between
+    and beyond the largest (batch 1 is ``costs`` itself)."""
+    if batch <= 1 or not costs.by_batch:
+        return fn(costs)
+    pts = {1: costs, **costs.by_batch}
+    sizes = sorted(pts)
+    lo = max(b for b in sizes if b <= batch)
+    hi = min((b for b in sizes if b > batch), default=None)
+    if hi is None:  # beyond the largest measured batch: the last segment's slope
+        lo, hi = sizes[-2], sizes[-1]
+    a, b = fn(pts[lo]), fn(pts[hi])
+    return a + (b - a) * (batch - lo) / (hi - lo)
 
 
 def expected_tokens(est: list[float], k: int) -> float:
@@ -126,7 +159,7 @@ class AutoK:
 
     def best(self, ests: list[list[float]]) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
-        rate = [sum(expected_tokens(e, k) for e in ests) / self.costs.cycle_ms(k)
+        rate = [sum(expected_tokens(e, k) for e in ests) / self.costs.cycle_ms(k, len(ests))
                 for k in range(self.kmax + 1)]
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
@@ -138,7 +171,8 @@ class AutoK:
         match length, proposal length) or None without a proposal. At each K a row takes the
         source with more expected tokens (a proposal shorter than K is padded, so its extra
         positions count as misses); a cycle where no row uses the head costs no draft steps."""
-        best = (len(heads) / self.costs.cycle_ms(0), 0, [False] * len(heads))  # K=0: a token per row
+        B = len(heads)
+        best = (B / self.costs.cycle_ms(0, B), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
             total, use, any_head = 0.0, [], False
             for h, lk in zip(heads, lookups):
@@ -148,7 +182,9 @@ class AutoK:
                 use.append(take)
                 any_head |= not take
                 total += el if take else eh
-            ms = self.costs.cycle_ms(k) if any_head else self.costs.cycle_ms(k) - k * self.costs.draft_step
+            ms = self.costs.cycle_ms(k, B)
+            if not any_head:  # no head steps this cycle
+                ms -= self.costs.draft_ms(k, B)
             if total / ms > best[0]:
                 best = (total / ms, k, use)
         _, k, use = best

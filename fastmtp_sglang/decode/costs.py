@@ -58,7 +58,8 @@ def weight_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None
 
 @dataclass
 class CostCurve:
-    """Milliseconds per call at batch 1, and each call's memory-bound floor (ms)."""
+    """Milliseconds per call at batch ``batch`` (1 unless said), and each call's memory-bound
+    floor (ms; the weights are read once per call whatever the batch)."""
     cpu: dict[str, Any]
     dtype: str
     context: int
@@ -70,6 +71,7 @@ class CostCurve:
     draft_floor_ms: float | None = None
     extend_ms: dict[int, float] = field(default_factory=dict)   # head over n target positions
     spread: dict[str, float] = field(default_factory=dict)      # (max - min) / median per shape
+    batch: int = 1                              # rows per call
 
     @property
     def plain_ms(self) -> float:
@@ -99,29 +101,33 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 
 @torch.inference_mode()
 def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
-            context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512) -> CostCurve:
-    """Time the calls of one speculative cycle at batch 1 (see the module docstring).
+            context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512,
+            batch: int = 1) -> CostCurve:
+    """Time the calls of one speculative cycle at batch ``batch`` (see the module docstring).
 
     ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
     target's costs); ``draft_vocab``: the DraftVocab the engine drafts over, or None (full
     vocabulary). ``ns``: the numbers of new tokens per target forward (1 = a plain step);
-    ``bandwidth_mib``: size of the buffer the read bandwidth is measured on."""
+    ``bandwidth_mib``: size of the buffer the read bandwidth is measured on; ``batch``: rows
+    per call (every row a ``context``-token cache, as a batch of that many requests)."""
     from transformers import DynamicCache
 
     model, dev = target.model, next(target.model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = int(target.lm_head.weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, context + max(ns)), generator=gen).to(dev)
+    B = batch
+    ids = torch.randint(0, vocab, (B, context + max(ns)), generator=gen).to(dev)
     cache = DynamicCache()
-    out = model.model(input_ids=ids[:, :context], position_ids=torch.arange(context, device=dev)[None],
-                      attention_mask=torch.ones(1, context, dtype=torch.long, device=dev),
+    out = model.model(input_ids=ids[:, :context],
+                      position_ids=torch.arange(context, device=dev)[None].expand(B, -1),
+                      attention_mask=torch.ones(B, context, dtype=torch.long, device=dev),
                       past_key_values=cache, use_cache=True)
-    hidden = out.last_hidden_state                                              # [1, context, H]
+    hidden = out.last_hidden_state                                              # [B, context, H]
 
     def verify(n: int):
-        pos = torch.arange(context, context + n, device=dev)[None]
-        mask = torch.ones(1, context + n, dtype=torch.long, device=dev)
+        pos = torch.arange(context, context + n, device=dev)[None].expand(B, -1)
+        mask = torch.ones(B, context + n, dtype=torch.long, device=dev)
         h = model.model(input_ids=ids[:, context:context + n], position_ids=pos, attention_mask=mask,
                         past_key_values=cache, use_cache=True).last_hidden_state
         target.lm_head(h).float().argmax(-1)
@@ -129,23 +135,24 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
 
     calls: dict[str, Any] = {f"verify{n}": (lambda n=n: verify(n)) for n in ns}
     if head is not None:
-        dcache = head.new_cache(1, context + max(ns) + 2, device=dev)
-        head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None], dcache,
-             return_logits=False)
+        dcache = head.new_cache(B, context + max(ns) + 2, device=dev)
+        head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None].expand(B, -1),
+             dcache, return_logits=False)
         g0 = hidden[:, -1]
         tok = ids[:, context:context + 1]
+        step_pos = torch.full((B, 1), context, device=dev)
 
         def draft_step():
-            g, _ = head(g0[:, None], tok, torch.tensor([[context]], device=dev), dcache, return_logits=False)
+            g, _ = head(g0[:, None], tok, step_pos, dcache, return_logits=False)
             g = g[:, 0]
             if draft_vocab is None:
                 head.project(g).float().argmax(-1)
             else:
-                tidx = torch.zeros(1, dtype=torch.long, device=dev)
+                tidx = torch.zeros(B, dtype=torch.long, device=dev)
                 draft_vocab.greedy(g, tidx, None)
 
         def extend(n: int):
-            pos = torch.arange(context, context + n, device=dev)[None]
+            pos = torch.arange(context, context + n, device=dev)[None].expand(B, -1)
             head(hidden[:, -n:], ids[:, context:context + n], pos, dcache, return_logits=False)
 
         calls["draft_step"] = draft_step
@@ -168,7 +175,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     curve = CostCurve(cpu=cpu_description(), dtype=str(dtype).replace("torch.", ""), context=context,
                       bandwidth_gbs=bw / 1e9, target_weight_mb=tbytes / 1e6,
                       verify_ms={n: med[f"verify{n}"] for n in ns}, verify_floor_ms=tbytes / bw * 1e3,
-                      spread=spread)
+                      spread=spread, batch=B)
     if head is not None:
         rows = (draft_vocab.table_weight[0].numel() * draft_vocab.table_weight.element_size()
                 if draft_vocab is not None else target.lm_head.weight.numel() * target.lm_head.weight.element_size())

@@ -31,8 +31,9 @@ from typing import Any, Callable
 import torch
 
 from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
-from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, sample, verify_greedy, verify_sampling
+from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
 
 class RequestError(ValueError):
@@ -58,19 +59,6 @@ class Result:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _Row:
-    """Host-side bookkeeping of one request in flight."""
-
-    def __init__(self, req: Request, index: int, steps: int):
-        self.req, self.index = req, index
-        self.out: list[int] = []
-        self.finish: dict[str, Any] | None = None
-        self.metrics = RequestMetrics(prompt_tokens=len(req.input_ids), steps=steps)
-        self.text_checked = 0  # how many output tokens the stop-string check has seen
-        self.est: list[float] = []  # auto: running conditional acceptance per draft position
-        self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
 
 
 class ReferenceEngine:
@@ -137,33 +125,63 @@ class ReferenceEngine:
     def generate(self, requests: list[Request],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
         """Run a batch to completion. ``on_tokens(i, ids)`` streams each row's new tokens."""
+        b = self.start(requests, list(range(len(requests))), on_tokens)
+        done: dict[Any, Result] = {}
+        while len(b):
+            done.update(self.step(b, on_tokens))
+        return [done[i] for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def start(self, requests: list[Request], keys: list, on_tokens=None) -> Batch:
+        """Prefill ``requests`` into a new batch (each emits its first token) for ``step`` to
+        run; ``keys`` name the rows in ``on_tokens(key, ids)`` and in ``step``'s results."""
         for r in requests:
             self.validate(r)
-        b = self._prefill(requests, on_tokens)
-        while b.drop_finished():
-            t = time.perf_counter()
-            drafts, qs, Kc = self._draft(b, self._choose(b))
-            _sync(self.device)
-            t_draft = time.perf_counter() - t
-            t = time.perf_counter()
-            vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc)
-            _sync(self.device)
-            t_verify = time.perf_counter() - t
-            t = time.perf_counter()
-            bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
-            _sync(self.device)
-            t_draft += time.perf_counter() - t
-            self._advance(b, acc, emitted, bonus, Kc, t_draft, t_verify, on_tokens)
-        return self._results(b)
+        return self._prefill(requests, keys, on_tokens)
+
+    @torch.inference_mode()
+    def join(self, b: Batch, requests: list[Request], keys: list, on_tokens=None) -> None:
+        """Continuous batching: prefill ``requests`` and add them to the running batch ``b``
+        between two cycles. Raises before touching ``b`` when they fail validation or prefill."""
+        new = self.start(requests, keys, on_tokens)
+        if b.deferred:
+            self._catch_up(b)
+        b.merge(new)
+
+    @torch.inference_mode()
+    def step(self, b: Batch, on_tokens=None) -> list[tuple[Any, Result]]:
+        """One verify cycle of every live row of ``b``; returns ``(key, Result)`` of the rows
+        that finished (they leave ``b``), including rows that finished before it (at their
+        prefill, or aborted)."""
+        done = self._collect(b)
+        if not len(b):
+            return done
+        t = time.perf_counter()
+        # near the context limit a row may verify only what fits (the rest of its drafts are
+        # ignored, see _verify), and no cycle drafts more than its roomiest row can use
+        room = (self.max_context - 2 - b.pos).clamp(min=0)                           # [n]
+        drafts, qs, Kc = self._draft(b, min(self._choose(b), int(room.max())))
+        _sync(self.device)
+        t_draft = time.perf_counter() - t
+        t = time.perf_counter()
+        vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc, room)
+        _sync(self.device)
+        t_verify = time.perf_counter() - t
+        t = time.perf_counter()
+        bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
+        _sync(self.device)
+        t_draft += time.perf_counter() - t
+        self._advance(b, acc, emitted, bonus, room.clamp(max=Kc).tolist(), t_draft, t_verify, on_tokens)
+        return done + self._collect(b)
 
     # -- the steps of generate ----------------------------------------------------------------
-    def _prefill(self, requests: list[Request], on_tokens) -> "_Batch":
+    def _prefill(self, requests: list[Request], keys: list, on_tokens) -> Batch:
         """Target forward over the prompts (and the head's draft extend over them); emits each
         row's first token."""
         from transformers import DynamicCache
 
         dev, K = self.device, self.steps
-        b = _Batch(self, requests)
+        b = Batch(self, requests, keys)
         t0 = time.perf_counter()
         B = len(b.rows)
         lens = torch.tensor([len(r.input_ids) for r in requests], device=dev)
@@ -176,7 +194,6 @@ class ReferenceEngine:
         b.cache = DynamicCache()
         hidden = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)   # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
-        b.active = torch.arange(B, device=dev)                # batch index of each live row
         b.pending, _ = b.pick(self.target.lm_head(last_h).float(), b.active)        # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
         if b.use_head:
@@ -194,10 +211,12 @@ class ReferenceEngine:
         for r in b.rows:
             r.metrics.prefill_s = prefill
             self._emit(r, [int(b.pending[r.index])], on_tokens)
-        b.t_decode = time.perf_counter()
+            if r.finish is None and int(b.pos[r.index]) + 1 >= self.max_context:
+                r.finish = {"type": "length", "length": len(r.out)}  # the context is full
+        b.start_decode()
         return b
 
-    def _choose(self, b: "_Batch") -> int:
+    def _choose(self, b: Batch) -> int:
         """This cycle's K: ``steps``, or what the auto controller picks for the live rows (and,
         hybrid, which rows take prompt lookup's proposal: ``b.plan``)."""
         if self.auto is None:
@@ -215,7 +234,7 @@ class ReferenceEngine:
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
 
-    def _draft(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list, int]:
+    def _draft(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
         Kc is the number of drafts verified this cycle (a drafter with nothing to propose: 0)."""
         dev, n = self.device, len(b.active)
@@ -233,7 +252,7 @@ class ReferenceEngine:
             drafts, qs = self._draft_head(b, K)
         return drafts, qs, Kc
 
-    def _draft_head(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list]:
+    def _draft_head(self, b: Batch, K: int) -> tuple[torch.Tensor, list]:
         """K recursive head steps for every live row: (drafts [n, K], q per step or None)."""
         drafts = torch.empty(len(b.active), K, dtype=torch.long, device=self.device)
         qs: list = []
@@ -251,7 +270,7 @@ class ReferenceEngine:
             qs.append(q)
         return drafts, qs
 
-    def _draft_hybrid(self, b: "_Batch", K: int) -> tuple[torch.Tensor, list, int]:
+    def _draft_hybrid(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """Head drafts for the rows that want them (the chain runs for the batch when any row
         does), prompt lookup's proposal (padded to K) for the others, per ``b.plan``."""
         n = len(b.active)
@@ -276,27 +295,34 @@ class ReferenceEngine:
                 qs = [q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
         return drafts, qs, K
 
-    def _verify(self, b: "_Batch", drafts: torch.Tensor, qs: list, Kc: int):
+    def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
         """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
-        returns (target hidden [n, Kc+1, H], positions [n, Kc+1], accepted [n], emitted [n, Kc+1])."""
-        dev, n = self.device, len(b.active)
+        returns (target hidden [n, Kc+1, H], positions [n, Kc+1], accepted [n], emitted [n, Kc+1]).
+        A row accepts at most ``room`` drafts (what still fits its context)."""
+        dev, n = self.device, len(b)
         vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
         vpos = b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
         b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
         vh = self._target(vin, vpos, b.valid.long(), b.cache)                         # [n, Kc+1, H]
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
+        cap = room.clamp(max=Kc).tolist()
         if b.greedy:
             acc, emitted = verify_greedy(drafts, tlogits)
+            if min(cap) < Kc:  # the emitted prefix is the target's argmax: cut it at the cap
+                acc = torch.minimum(acc, room.clamp(max=Kc))
+                slot = torch.arange(Kc + 1, device=dev)[None]
+                emitted = torch.where(slot <= acc[:, None], tlogits.argmax(-1), -1)
         else:
             p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
-                                b.temp[b.active].repeat_interleave(Kc + 1),
-                                b.top_p[b.active].repeat_interleave(Kc + 1),
-                                b.top_k[b.active].repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
+                                b.temp.repeat_interleave(Kc + 1),
+                                b.top_p.repeat_interleave(Kc + 1),
+                                b.top_k.repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
             q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
-            parts = [verify_sampling(drafts[i:i + 1], q[i:i + 1], p[i:i + 1], b.gens[int(r)])
-                     for i, r in enumerate(b.active.tolist())]
+            parts = [verify_sampling(drafts[i:i + 1, :c], q[i:i + 1, :c], p[i:i + 1, :c + 1], b.gens[i])
+                     for i, c in enumerate(cap)]
             acc = torch.cat([a for a, _ in parts])
-            emitted = torch.cat([e for _, e in parts])
+            emitted = torch.cat([torch.nn.functional.pad(e, (0, Kc - c), value=-1)
+                                 for (_, e), c in zip(parts, cap)])
         # rollback: hide the slots of rejected drafts; crop what no row uses
         slot = torch.arange(Kc + 1, device=dev)[None]
         b.valid[:, -(Kc + 1):] = slot <= acc[:, None]
@@ -304,9 +330,10 @@ class ReferenceEngine:
         if used < b.valid.shape[1]:
             b.cache.crop(used - b.valid.shape[1])  # negative: drop that many trailing slots
             b.valid = b.valid[:, :used]
+        b.repack()  # a long-lived batch: keep its holes bounded
         return vh, vpos, acc, emitted
 
-    def _draft_extend(self, b: "_Batch", drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
+    def _draft_extend(self, b: Batch, drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
                       acc: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
         """5. draft extend over the accepted positions; returns each row's bonus token [n]."""
         n = len(b.active)
@@ -328,7 +355,7 @@ class ReferenceEngine:
                 b.g = ge[torch.arange(n, device=self.device), off + acc]
         return bonus
 
-    def _catch_up(self, b: "_Batch") -> None:
+    def _catch_up(self, b: Batch) -> None:
         """The draft extend of the cycles that ran at K=0 (auto), in one head forward: each
         verified one position and accepted nothing, so the last column is every row's end."""
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
@@ -336,46 +363,54 @@ class ReferenceEngine:
         b.g = ge[:, -1]
         b.deferred = []
 
-    def _advance(self, b: "_Batch", acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
-                 Kc: int, t_draft: float, t_verify: float, on_tokens) -> None:
-        """Bookkeeping: log the cycle, emit each row's tokens, finish rows, move positions on."""
-        n, K = len(b.active), self.steps
+    def _advance(self, b: Batch, acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
+                 drafted: list[int], t_draft: float, t_verify: float, on_tokens) -> None:
+        """Bookkeeping: log the cycle, emit each row's tokens, finish rows, move positions on.
+        ``drafted``: the drafts each row verified (the cycle's K, less near the context limit)."""
+        n = len(b)
         acc_l, em_l = acc.tolist(), emitted.tolist()
+        Kc = max(drafted)
         b.zero_run = b.zero_run + 1 if Kc == 0 else 0
-        for j, i in enumerate(b.active.tolist()):
-            r = b.rows[i]
+        for j, r in enumerate(b.rows):
+            k = drafted[j]
             took_lookup = self.hybrid and Kc > 0 and b.plan[j][0]
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
-                                             verify_s=t_verify / n, drafted=Kc,
+                                             verify_s=t_verify / n, drafted=k,
                                              source="lookup" if took_lookup else ""))
             if took_lookup:
                 m = b.plan[j][1]
-                self.auto.update(r.est_lookup[m], Kc, acc_l[j], f"lookup{m}")
+                self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}")
             elif self.auto is not None:
-                self.auto.update(r.est, Kc, acc_l[j])
+                self.auto.update(r.est, k, acc_l[j])
             self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
-            if r.finish is None and int(b.pos[j]) + acc_l[j] + 1 + K + 1 >= self.max_context:
+            # the new pending token sits at pos + acc + 1: the context is full when it is the last
+            if r.finish is None and int(b.pos[j]) + acc_l[j] + 2 >= self.max_context:
                 r.finish = {"type": "length", "length": len(r.out)}
             if r.finish is not None:
-                r.metrics.decode_s = time.perf_counter() - b.t_decode
+                r.metrics.decode_s = time.perf_counter() - r.t_decode
         b.pos = b.pos + acc + 1
         b.pending = bonus
 
-    def _results(self, b: "_Batch") -> list[Result]:
+    def _collect(self, b: Batch) -> list[tuple[Any, Result]]:
+        """The finished rows' results; the rows leave the batch."""
+        gone = b.finished()
+        if not gone:
+            return []
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         results = []
-        for r in b.rows:
+        for r in gone:
             r.metrics.peak_memory_bytes = peak
             r.metrics.completion_tokens = len(r.out)
             text = self._decode(r.out) if self.target.tokenizer is not None else None
             if text is not None and r.finish.get("type") == "stop" and "matched_str" in r.finish:
                 text = text[: text.find(r.finish["matched_str"])]
-            results.append(Result(r.out, text, r.finish, r.metrics, r.req.rid))
+            results.append((r.key, Result(r.out, text, r.finish, r.metrics, r.req.rid)))
+        b.remove(gone)
         return results
 
-    def _propose(self, rows: list[_Row], active: torch.Tensor, K: int, pending: torch.Tensor
+    def _propose(self, rows: list[Row], active: torch.Tensor, K: int, pending: torch.Tensor
                  ) -> tuple[torch.Tensor, int]:
         """The drafter's proposals for the live rows: (drafts [n, K] or [n, 0], K verified).
 
@@ -395,7 +430,7 @@ class ReferenceEngine:
     def _decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _emit(self, r: _Row, new: list[int], on_tokens) -> None:
+    def _emit(self, r: Row, new: list[int], on_tokens) -> None:
         """Append a cycle's tokens to a row, cutting at EOS / stop strings / max_new_tokens."""
         if r.finish is not None:
             return
@@ -421,75 +456,4 @@ class ReferenceEngine:
                 s = min(hit, key=lambda s: text.find(s) if s in text else len(text))
                 r.finish = {"type": "stop", "matched": s, "matched_str": s}
         if on_tokens is not None and len(r.out) > start:
-            on_tokens(r.index, r.out[start:])
-
-
-class _Batch:
-    """The device-side state of one ``generate`` call: the rows still live, the target's slot
-    cache and its mask, each row's pending token and position, the head's cache and last hidden
-    state, and each request's sampling settings and generator."""
-
-    def __init__(self, engine: ReferenceEngine, requests: list[Request]):
-        dev, K = engine.device, engine.steps
-        self.engine = engine
-        self.use_head = bool(K) and (engine.drafter is None or engine.hybrid)
-        self.plan: list[tuple[bool, int, list[int]]] = []  # hybrid: (lookup?, match n, proposal) per row
-        self.rows = [_Row(r, i, K) for i, r in enumerate(requests)]
-        if engine.auto is not None:
-            for row in self.rows:
-                row.est = engine.auto.new_estimate()  # per-position acceptance, this request's own
-        # one generator per request: a seeded request samples the same tokens whatever batch it
-        # shares (rows without a seed draw theirs from torch's global generator)
-        self.gens = []
-        for r in requests:
-            g_ = torch.Generator(device=dev)
-            g_.manual_seed(r.params.seed if r.params.seed is not None
-                           else int(torch.randint(0, 2**62, (1,)).item()))
-            self.gens.append(g_)
-        self.greedy = all(r.params.is_greedy for r in requests)
-        self.temp = torch.tensor([r.params.temperature for r in requests], device=dev)
-        self.top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
-        self.top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
-        # set by ReferenceEngine._prefill
-        self.cache = self.valid = self.active = self.pending = self.pos = None
-        self.dcache = self.g = self.tidx = self.extra = None
-        self.t_decode = 0.0
-        self.zero_run = 0    # cycles in a row at K=0 (auto)
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
-
-    def pick(self, logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
-        if self.greedy:
-            return logits.argmax(-1), None
-        probs = logits_to_probs(logits.float(), self.temp[rows_t], self.top_p[rows_t], self.top_k[rows_t])
-        toks = torch.cat([sample(probs[i:i + 1], self.gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
-        return toks, probs
-
-    def draft_pick(self, g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
-        e = self.engine
-        if e.draft_vocab is None:
-            return self.pick(e.head.project(g).float(), rows_t)
-        if self.greedy:
-            return e.draft_vocab.greedy(g, self.tidx, self.extra), None
-        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float(), rows_t)
-
-    def drop_finished(self) -> bool:
-        """Drop finished rows from every batched tensor; False when no row is left."""
-        live_rows = [r for r in self.rows if r.finish is None]
-        if not live_rows:
-            return False
-        keep = torch.tensor([r.index for r in live_rows], device=self.engine.device)
-        if len(live_rows) < len(self.active):
-            sel = torch.searchsorted(self.active, keep)
-            self.active = keep
-            self.cache.batch_select_indices(sel)
-            self.valid, self.pending, self.pos = self.valid[sel], self.pending[sel], self.pos[sel]
-            if self.use_head:
-                self.dcache.select(sel)
-                self.g = self.g[sel]
-                self.deferred = [tuple(x[sel] for x in d) for d in self.deferred]
-                if self.tidx is not None:
-                    self.tidx = self.tidx[sel]
-                    self.extra = self.extra[sel] if self.extra is not None else None
-        return True
+            on_tokens(r.key, r.out[start:])

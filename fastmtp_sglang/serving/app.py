@@ -40,7 +40,7 @@ from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.serving.protocol import (
     ABORT_BODY_BYTES, BACKLOG, DISCARD_BYTES, MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S,
     SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput, HTTPError)
-from fastmtp_sglang.serving.worker import EngineWorker
+from fastmtp_sglang.serving.worker import STOP_WORKER_S, EngineWorker
 
 if TYPE_CHECKING:
     from fastmtp_sglang.serving.worker import _Job
@@ -83,9 +83,12 @@ class ReferenceServer(EngineWorker):
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> "ReferenceServer":
-        """Start the worker and serve HTTP on a background thread; returns once listening."""
-        self._start_worker()
+    def start(self, engine_thread: bool = True) -> "ReferenceServer":
+        """Serve HTTP on a background thread and start the engine worker thread; returns once
+        listening. ``engine_thread=False``: HTTP only, the caller drives the engine on its own
+        thread with ``drive`` (PyTorch runs fastest on the main thread)."""
+        if engine_thread:
+            self._start_worker()
         self._uv = _make_uvicorn(self)
         self._http_thread = threading.Thread(
             target=lambda: asyncio.run(self._uv.serve(sockets=[self._sock])),
@@ -99,16 +102,60 @@ class ReferenceServer(EngineWorker):
         return self
 
     def serve_forever(self) -> bool:
-        """Serve on this thread until SIGTERM / SIGINT (or ``request_shutdown``), then shut down
-        gracefully. Returns True when the engine worker stopped, False when it was still busy
-        ``STOP_WORKER_S`` after the last request was answered."""
-        self._start_worker()
+        """Serve until SIGTERM / SIGINT (or ``request_shutdown``), then shut down gracefully.
+
+        The engine loop runs on the calling thread (the main thread, under ``fastmtp serve``),
+        where PyTorch's CPU kernels run at full speed; HTTP runs on a thread of its own, as
+        SGLang splits its HTTP side from its scheduler. Returns True when the engine stopped,
+        False when it was still busy ``STOP_WORKER_S`` after the last request was answered."""
         self._uv = _make_uvicorn(self)
+        handled = (signal.SIGINT, signal.SIGTERM)
+        on_main = threading.current_thread() is threading.main_thread()
+        original = {s: signal.signal(s, self._uv.handle_exit) for s in handled} if on_main else {}
+        self._http_thread = threading.Thread(
+            target=lambda: asyncio.run(self._uv.serve(sockets=[self._sock])),
+            name="fastmtp-http", daemon=True)
+
+        def close_after_http() -> None:  # then _work below sees _stop and returns
+            self._http_thread.join()
+            self._close()
+
+        closer = threading.Thread(target=close_after_http, name="fastmtp-close", daemon=True)
+        self._http_thread.start()
+        closer.start()
         try:
-            asyncio.run(self._uv.serve(sockets=[self._sock]))
+            self._work()
         finally:
-            stopped = self._close()
-        return stopped
+            for s, handler in original.items():
+                signal.signal(s, handler)
+        closer.join(STOP_WORKER_S)
+        return not closer.is_alive()
+
+    def drive(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on a helper thread while this thread runs the engine loop (a server
+        started with ``start(engine_thread=False)``); returns what ``fn`` returned once every
+        request it sent is answered, re-raising its exception."""
+        if self._worker.is_alive():
+            raise RuntimeError("drive() needs a server started with start(engine_thread=False)")
+        done, box = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+                with self._cond:
+                    self._cond.notify_all()
+
+        helper = threading.Thread(target=run, name="fastmtp-drive", daemon=True)
+        helper.start()
+        self._work(until=done)
+        helper.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def request_shutdown(self) -> None:
         """Ask a running server to shut down gracefully (any thread)."""

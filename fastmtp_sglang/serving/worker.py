@@ -9,18 +9,24 @@ thread that owns the engine and batches, failure isolation, abort, and the /serv
 / ``model_info``, ``stats`` and ``_draining``; each job's events come back through its ``emit``
 callable.
 
-Isolation: when ``engine.generate`` raises on a batch, the batch is re-run in halves until the
-request that fails alone is found; it gets 500, every other request of the batch is answered as
-if nothing happened. Each request without a ``sampling_seed`` gets a random one, so a re-run
-reproduces the tokens a stream has already sent (in float32; see docs/design.md section 6.3 on bf16).
+Isolation: when the engine raises on a batch (a prefill of joining requests, or a cycle), its
+open requests are re-run apart, in halves (``engine.generate``), until the request that fails
+alone is found; it gets 500, every other request is answered as if nothing happened. A stream
+that had already sent tokens resumes after them (its prompt extended by what it was sent), so
+a re-run cannot contradict the client. Each request without a ``sampling_seed`` gets a random
+one, so a re-run of a request that had sent nothing reproduces its tokens (in float32; see
+docs/design.md section 6.3 on bf16).
 
 Concurrency: bodies are parsed and prompts tokenized on one tokenizer thread, never on the
-engine's. One worker thread owns the engine and **batches**: it takes the first waiting request,
-then everything else already waiting (after an optional ``batch_window_s`` wait for more), up to
-``max_batch``, and runs one ``ReferenceEngine.generate`` call over them. A request arriving
-while a batch runs waits for the next batch (no continuous batching: a batch runs until all its
-rows finish). At most ``max_queue`` requests wait (counted from the moment their body starts to
-arrive); more get 503 with ``Retry-After``.
+engine's. One loop owns the engine and batches **continuously**: between two verify cycles,
+requests waiting join the running batch (``ReferenceEngine.join``: prefilled, then merged into
+its slot cache) up to ``max_batch`` rows, and each row leaves it the moment it finishes and is
+answered at once (``ReferenceEngine.step``). When no batch runs, the first request may wait
+``batch_window_s`` for company. At most ``max_queue`` requests wait (counted from the moment
+their body starts to arrive); more get 503 with ``Retry-After``. The loop runs on a worker
+thread (``ReferenceServer.start``), or on the caller's thread (``serve_forever``, which
+``fastmtp serve`` calls on the main thread, and ``drive``), where PyTorch's CPU kernels are
+fastest.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class _Job:
     slot: _Slot | None = None
     internal: bool = False  # a /health_generate probe: kept out of the statistics
     req: Request | None = None  # the engine request of the current run
+    prefix: list[int] = field(default_factory=list)         # a resumed run starts after these
     out_ids: list[int] = field(default_factory=list)        # this run's tokens so far
     streamed_ids: list[int] = field(default_factory=list)   # what a stream has sent the client
     sent_text: str = ""
@@ -394,38 +401,109 @@ class EngineWorker:
         return sum(self.abort(job, message, status) for job in jobs)
 
     # -- the worker -------------------------------------------------------------------------------
-    def _work(self) -> None:
+    def _work(self, until: threading.Event | None = None) -> None:
+        """The engine loop (continuous batching): between two verify cycles, waiting requests
+        join the running batch up to ``max_batch`` rows; finished rows leave it and are
+        answered at once. Runs on the worker thread, or on the caller's (``serve_forever``,
+        ``drive``: then it also returns once ``until`` is set and nothing is left to run)."""
+        b = None  # the running engine batch (fastmtp_sglang.decode.batch.Batch), keyed by job
         while True:
+            live = len(b) if b is not None else 0
             with self._cond:
-                while not self._waiting and not self._stop:
-                    self._cond.wait()
-                if self._stop and not self._waiting:
+                def over() -> bool:
+                    return self._stop or (until is not None and until.is_set())
+
+                while not self._waiting and not over() and not live:
+                    self._cond.wait(1.0)  # (a timeout: signal handlers on the main thread run)
+                if over() and not self._waiting and not live:
                     return
-                deadline = time.monotonic() + self.batch_window_s
-                while len(self._waiting) < self.max_batch and not self._stop:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
+                if not live:  # a fresh batch: optionally wait for company
+                    deadline = time.monotonic() + self.batch_window_s
+                    while len(self._waiting) < self.max_batch and not self._stop:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
                 jobs = []
-                while self._waiting and len(jobs) < self.max_batch:
+                while self._waiting and live + len(jobs) < self.max_batch:
                     job = self._waiting.popleft()
                     if job.slot is not None:
                         job.slot.release()  # running now: its queue place goes to the next one
                     if not job.closed:
                         jobs.append(job)
             jobs = [job for job in jobs if job.send("accepted")]
-            if not jobs:
-                continue
-            t0 = time.monotonic()
             try:
-                self._run_isolating(jobs)
-            except Exception as exc:  # a bug outside generate(): fail this batch, keep serving
+                if jobs:
+                    b = self._join(b, jobs)
+                if b is not None and len(b):
+                    b = self._cycle(b)
+            except Exception as exc:  # a bug outside the engine: fail what runs, keep serving
                 traceback.print_exc(file=sys.stderr)
-                for job in jobs:
+                running = list(b.rows) if b is not None else []
+                for job in jobs + [r.key for r in running]:
                     self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-            with self._cond:
-                self._batch_s = 0.7 * self._batch_s + 0.3 * (time.monotonic() - t0)
+                b = None
+
+    def _on_tokens(self, job: _Job, new: list[int]) -> None:
+        self.stats.add(generated_tokens=len(new))
+        with job.lock:
+            job.out_ids.extend(new)
+            if job.inp.stream and not job.closed:
+                self._stream_chunk(job)
+
+    def _join(self, b, jobs: list[_Job]):
+        """Prefill ``jobs`` into the running batch ``b`` (or a new one); returns the batch. When
+        the engine fails on their prefill, they are run apart (``_run_isolating``) and ``b``
+        goes on untouched."""
+        reqs = [self._new_run(job) for job in jobs]
+        failure = None
+        try:
+            if b is None or not len(b):
+                b = self.engine.start(reqs, jobs, self._on_tokens)
+            else:
+                self.engine.join(b, reqs, jobs, self._on_tokens)
+        except Exception as exc:
+            failure = exc
+        if failure is not None:  # (outside the except block: re-runs raise their own)
+            self._isolate(jobs, failure)
+            return b
+        self.stats.add_batch(len(b))
+        return b
+
+    def _cycle(self, b):
+        """One verify cycle of the running batch; answers the rows that finished. When the
+        engine fails, every open request of the batch is re-run apart (``_run_isolating``),
+        each resuming from what its stream already sent; returns None then."""
+        try:
+            finished = self.engine.step(b, self._on_tokens)
+        except Exception as exc:
+            failure = exc
+        else:
+            failure = None
+        if failure is not None:
+            self._isolate([r.key for r in b.rows], failure)
+            return None
+        for job, res in finished:
+            self._answer(job, res, len(b) + len(finished))
+        return b
+
+    def _isolate(self, jobs: list[_Job], exc: Exception) -> None:
+        live = [job for job in jobs if not job.closed]
+        if not live:
+            return
+        if len(jobs) > 1:
+            self.stats.add(retried_batches=1)
+            print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
+                  f"({type(exc).__name__}: {exc}); re-running its {len(live)} open request(s) "
+                  "in halves to find the one that caused it", file=sys.stderr, flush=True)
+            half = (len(live) + 1) // 2
+            for part in (live[:half], live[half:]):
+                if part:
+                    self._run_isolating(part)
+        else:
+            traceback.print_exception(exc, file=sys.stderr)
+            self._fail(live[0], HTTPStatus.INTERNAL_SERVER_ERROR,
+                       f"the engine failed on this request: {type(exc).__name__}: {exc}")
 
     def _fail(self, job: _Job, status: int, message: str) -> None:
         if self._finish(job, "error", (int(status), message)) and not job.internal:
@@ -456,41 +534,55 @@ class EngineWorker:
                 self._run_isolating(part)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
-        """One engine.generate over ``jobs``; raises _EngineFailure when it raises."""
-        reqs: list[Request] = []
-        for job in jobs:
-            with job.lock:
-                job.out_ids = []
-                # a fresh copy per run: an abort lowers max_new_tokens on it
-                job.req = Request(job.input_ids, dataclasses.replace(job.inp.params), job.inp.rid)
-                if job.closed:  # aborted while we were getting here: stop at once
-                    job.req.params.max_new_tokens = 0
-            reqs.append(job.req)
+        """One engine.generate over ``jobs`` (isolation re-runs); raises _EngineFailure when it
+        raises."""
+        reqs = [self._new_run(job) for job in jobs]
         self.stats.add_batch(len(jobs))
-
-        def on_tokens(i: int, new: list[int]) -> None:
-            job = jobs[i]
-            self.stats.add(generated_tokens=len(new))
-            with job.lock:
-                job.out_ids.extend(new)
-                if job.inp.stream and not job.closed:
-                    self._stream_chunk(job)
-
         try:
-            results = self.engine.generate(reqs, on_tokens=on_tokens)
+            results = self.engine.generate(reqs, on_tokens=lambda i, new: self._on_tokens(jobs[i], new))
         except Exception as exc:
             raise _EngineFailure() from exc
         for job, res in zip(jobs, results):
-            out = self._response(job, res)
-            if not self._finish(job, "done", out) or job.internal:
-                continue
-            acc = [c.accepted for c in res.metrics.cycles]
-            self.stats.add_result(len(job.input_ids), len(res.output_ids), acc)
-            if self.log_requests:
-                mi = out["meta_info"]
-                print(f"[fastmtp serve] {job.inp.rid}: {mi['prompt_tokens']} prompt + "
-                      f"{mi['completion_tokens']} new tokens, tau {mi['tau']:.2f}, "
-                      f"{mi['e2e_latency']:.2f} s, batch of {len(jobs)}", file=sys.stderr, flush=True)
+            self._answer(job, res, len(jobs))
+
+    def _new_run(self, job: _Job) -> Request:
+        """The engine request of a job's next run. A stream that has already sent tokens (its
+        batch failed and is re-run) resumes after them: the prompt is extended by what was sent
+        and the budget shrinks by it, so nothing the client saw is contradicted."""
+        with job.lock:
+            params = dataclasses.replace(job.inp.params)  # a fresh copy: an abort lowers its limit
+            job.prefix = list(job.streamed_ids) if job.inp.stream else []
+            job.out_ids = list(job.prefix)
+            if job.prefix:
+                params.max_new_tokens = max(params.max_new_tokens - len(job.prefix), 0)
+            ids = job.input_ids + job.prefix
+            if len(ids) + 1 > self.engine.max_context:  # nothing more fits: end where it was
+                ids, params.max_new_tokens = ids[-(self.engine.max_context - 1):], 0
+            job.req = Request(ids, params, job.inp.rid)
+            if job.closed or not params.max_new_tokens:  # aborted, or done: stop at once
+                job.req.params.max_new_tokens = 0
+        return job.req
+
+    def _answer(self, job: _Job, res, batch: int) -> None:
+        if job.prefix:  # a resumed stream: its answer is what was sent and what followed
+            ids = job.prefix + res.output_ids
+            text, stop = self._decode(ids), res.finish_reason.get("matched_str")
+            if stop:  # cut at the stop string the resumed part matched
+                cut = text.find(stop, max(len(self._decode(job.prefix)) - len(stop) + 1, 0))
+                text = text[:cut] if cut >= 0 else text
+            res = dataclasses.replace(res, output_ids=ids, text=text)
+        out = self._response(job, res)
+        if not self._finish(job, "done", out) or job.internal:
+            return
+        acc = [c.accepted for c in res.metrics.cycles]
+        self.stats.add_result(len(job.input_ids), len(res.output_ids), acc)
+        with self._cond:
+            self._batch_s = 0.7 * self._batch_s + 0.3 * (time.time() - job.received)
+        if self.log_requests:
+            mi = out["meta_info"]
+            print(f"[fastmtp serve] {job.inp.rid}: {mi['prompt_tokens']} prompt + "
+                  f"{mi['completion_tokens']} new tokens, tau {mi['tau']:.2f}, "
+                  f"{mi['e2e_latency']:.2f} s, batch of {batch}", file=sys.stderr, flush=True)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

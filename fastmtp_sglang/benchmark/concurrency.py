@@ -1,0 +1,272 @@
+"""Throughput across K under load: ``fastmtp bench --concurrency 1,4,16``.
+
+At each concurrency level C, C closed-loop clients share one prompt list: each streams a
+request, and sends its next one when the answer is complete, until the level's requests are
+done. Per level and arm the report gives the server's output tokens/s (all completion tokens
+over the wall time from the first request to the last answer), each request's tokens/s, TTFT
+(time to the first streamed chunk) and TPOT ((end-to-end - TTFT) / (tokens - 1)) at p50 and p90,
+the accept length (tokens after the prefill's first one per verify cycle, from each answer's
+meta_info: 1.0 at K=0), and the
+speedup over K=0 at the same level.
+
+Arms run against one server each: in-process (the reference engine; one ReferenceServer per
+arm, every one driven by this process's main thread, where PyTorch is fastest), or given
+servers (``--url``, ours or SGLang's or vLLM through the metrics adapter, each keyed by the K it
+reports). Timing discipline as in fastmtp_sglang.benchmark.sweep: an untimed warm-up level per
+arm, the order of the arms rotated from level to level and repeat to repeat, the median over
+repeats, and speedups paired within a repeat (each arm over the K=0 run next to it).
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastmtp_sglang.core.errors import FastMTPError
+
+
+@dataclass
+class RequestRecord:
+    tokens: int
+    ttft_s: float
+    e2e_s: float
+    verify_ct: int
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+@dataclass
+class LevelRun:
+    """One arm at one concurrency level, one repeat."""
+    arm: str
+    level: int
+    repeat: int
+    wall_s: float
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.tokens for r in self.records)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int,
+                timeout: float = 600) -> tuple[float, list[RequestRecord]]:
+    """Send ``bodies`` (each {"input_ids": [...], "sampling_params": {...}}) from ``concurrency``
+    streaming clients, each sending its next body when its answer is complete. Returns (wall
+    seconds from the first send to the last answer, one record per request)."""
+    from fastmtp_sglang.serving.client import stream_generate
+
+    todo: queue.Queue = queue.Queue()
+    for b in bodies:
+        todo.put(b)
+    records: list[RequestRecord] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not errors:
+            try:
+                body = todo.get_nowait()
+            except queue.Empty:
+                return
+            t0 = time.perf_counter()
+            ttft, last = None, None
+            try:
+                for chunk in stream_generate(url, input_ids=body["input_ids"],
+                                             sampling_params=body["sampling_params"], timeout=timeout):
+                    if ttft is None and chunk.get("output_ids"):
+                        ttft = time.perf_counter() - t0
+                    last = chunk
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                with lock:
+                    errors.append(exc)
+                return
+            e2e = time.perf_counter() - t0
+            meta = (last or {}).get("meta_info", {})
+            n = int(meta.get("completion_tokens", len((last or {}).get("output_ids", []))))
+            with lock:
+                records.append(RequestRecord(n, ttft if ttft is not None else e2e, e2e,
+                                             int(meta.get("spec_verify_ct") or 0)))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise FastMTPError(f"a request failed at concurrency {concurrency} against {url}: "
+                           f"{type(errors[0]).__name__}: {errors[0]}")
+    return wall, records
+
+
+def level_bodies(prompts: list[list[int]], level: int, per_level: int,
+                 sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests of one level: the prompt list cycled to ``max(per_level, 2 * level)``
+    requests, so every client sends at least two."""
+    n = max(per_level, 2 * level)
+    return [{"input_ids": list(prompts[i % len(prompts)]), "sampling_params": dict(sampling)}
+            for i in range(n)]
+
+
+def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[RequestRecord]]]],
+               prompts: list[list[int]], levels: list[int], sampling: dict[str, Any],
+               per_level: int, repeats: int, warmup: bool = True,
+               progress: bool = True) -> list[LevelRun]:
+    """Every arm at every level, ``repeats`` times, arms rotated. ``runners[arm](bodies, C)``
+    runs one closed loop and returns (wall s, records)."""
+    import sys
+
+    from tqdm import tqdm
+
+    arms = list(runners)
+    runs: list[LevelRun] = []
+    total = len(arms) * len(levels) * repeats + (len(arms) if warmup else 0)
+    with tqdm(total=total, desc="concurrency", unit="level", disable=not progress,
+              file=sys.stderr) as bar:
+        if warmup:  # untimed: the first forwards of each batch shape are many times slower
+            for arm in arms:
+                bar.set_postfix_str(f"warm-up {arm}")
+                runners[arm](level_bodies(prompts, max(levels), max(levels), sampling), max(levels))
+                bar.update(1)
+        i = 0
+        for rep in range(repeats):
+            for level in levels:
+                bodies = level_bodies(prompts, level, per_level, sampling)
+                for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
+                    bar.set_postfix_str(f"C={level} {arm}")
+                    wall, records = runners[arm](bodies, level)
+                    runs.append(LevelRun(arm, level, rep, wall, records))
+                    bar.update(1)
+                i += 1
+    return runs
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize_levels(runs: list[LevelRun], baseline: str = "0") -> dict[str, dict[str, Any]]:
+    """{level: {arm: stats}} (JSON keys are strings): output_tokens_per_s (median over repeats),
+    per-request tokens/s, TTFT and TPOT p50/p90, accept length, and the paired speedup over
+    ``baseline`` at the same level (median over repeats of the ratio within a repeat)."""
+    out: dict[str, dict[str, Any]] = {}
+    for level in sorted({r.level for r in runs}):
+        at = [r for r in runs if r.level == level]
+        base = {r.repeat: r.output_tokens_per_s for r in at if r.arm == baseline}
+        out[str(level)] = {}
+        for arm in dict.fromkeys(r.arm for r in at):
+            mine = [r for r in at if r.arm == arm]
+            recs = [x for r in mine for x in r.records]
+            cycles = sum(x.verify_ct for x in recs)
+            ratios = [r.output_tokens_per_s / base[r.repeat] for r in mine
+                      if base.get(r.repeat)]
+            out[str(level)][arm] = {
+                "output_tokens_per_s": statistics.median(r.output_tokens_per_s for r in mine),
+                "output_tokens_per_s_repeats": [r.output_tokens_per_s for r in mine],
+                "per_request_tokens_per_s_p50": _pct([x.tokens / x.e2e_s for x in recs if x.e2e_s], 0.5),
+                "ttft_s_p50": _pct([x.ttft_s for x in recs], 0.5),
+                "ttft_s_p90": _pct([x.ttft_s for x in recs], 0.9),
+                "tpot_s_p50": _pct([x.tpot_s for x in recs if x.tokens > 1], 0.5),
+                "tpot_s_p90": _pct([x.tpot_s for x in recs if x.tokens > 1], 0.9),
+                # tokens per verify cycle after the prefill's first token (1.0 at K=0)
+                "accept_length": sum(x.tokens - 1 for x in recs) / cycles if cycles else None,
+                "requests": len(recs) // max(len(mine), 1),
+                "speedup": statistics.median(ratios) if ratios else None,
+                "speedup_spread": ((max(ratios) - min(ratios)) / statistics.median(ratios)
+                                   if len(ratios) > 1 else 0.0),
+            }
+    return out
+
+
+def stops_paying(table: dict[str, dict[str, Any]], baseline: str = "0") -> dict[str, int | None]:
+    """For each arm, the lowest level at which it is no faster than the baseline (None: it
+    pays at every level measured)."""
+    arms = {a for lv in table.values() for a in lv if a != baseline}
+    out: dict[str, int | None] = {}
+    for arm in sorted(arms):
+        out[arm] = next((int(lv) for lv in sorted(table, key=int)
+                         if (table[lv].get(arm, {}).get("speedup") or 0) <= 1.0), None)
+    return out
+
+
+def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
+    lines = [f"# Throughput across concurrency: {meta.get('label', '')}", "",
+             f"- command: `{meta.get('command', '')}`",
+             f"- CPU: {meta.get('cpu', '')}",
+             f"- engine: {meta.get('engine', '')}",
+             f"- {meta.get('prompts', '?')} prompts, {meta.get('per_level', '?')} requests per level "
+             f"(at least 2 per client), {meta.get('repeats', '?')} repeats, "
+             f"{meta.get('max_new_tokens', '?')} new tokens",
+             "", "Server output tokens/s (speedup over K=0 at the same concurrency, paired within "
+             "a repeat):", "",
+             "| concurrency | " + " | ".join(arms) + " |",
+             "|---:|" + "---:|" * len(arms)]
+    for lv in sorted(table, key=int):
+        cells = []
+        for a in arms:
+            s = table[lv].get(a)
+            if s is None:
+                cells.append("")
+                continue
+            sp = f" ({s['speedup']:.2f}x)" if s.get("speedup") is not None and a != "0" else ""
+            cells.append(f"{s['output_tokens_per_s']:.1f}{sp}")
+        lines.append(f"| {lv} | " + " | ".join(cells) + " |")
+    lines += ["", "Latency per request (p50 / p90) and accept length:", "",
+              "| concurrency | arm | TTFT s | TPOT ms | tokens/s per request | accept length |",
+              "|---:|---|---:|---:|---:|---:|"]
+    for lv in sorted(table, key=int):
+        for a in arms:
+            s = table[lv].get(a)
+            if s is None:
+                continue
+            al = f"{s['accept_length']:.2f}" if s.get("accept_length") else "-"
+            lines.append(f"| {lv} | {a} | {s['ttft_s_p50']:.2f} / {s['ttft_s_p90']:.2f} | "
+                         f"{1e3 * s['tpot_s_p50']:.0f} / {1e3 * s['tpot_s_p90']:.0f} | "
+                         f"{s['per_request_tokens_per_s_p50']:.1f} | {al} |")
+    stop = stops_paying(table)
+    if stop:
+        lines += ["", "Where speculation stops paying (lowest concurrency with speedup <= 1.00x):",
+                  ""] + [f"- {a}: " + (f"concurrency {lv}" if lv is not None else
+                                       "pays at every level measured") for a, lv in stop.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict[str, dict[str, Any]], path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
+    levels = sorted(table, key=int)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for a in arms:
+        xs = [int(lv) for lv in levels if a in table[lv]]
+        ys = [table[lv][a]["output_tokens_per_s"] for lv in levels if a in table[lv]]
+        ax.plot(xs, ys, marker="o", label=f"K={a}" if a.isdigit() else a)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([int(lv) for lv in levels], [lv for lv in levels])
+    ax.set_xlabel("concurrent clients (closed loop)")
+    ax.set_ylabel("server output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,168 @@
+"""`fastmtp bench --concurrency 1,2,4,...`: the flags' side of fastmtp_sglang.benchmark.concurrency
+(in-process reference servers, one per arm, or the servers given with --url)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.prompts import load_prompt_ids
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise FastMTPError(f"--concurrency takes comma-separated integers like 1,4,16; got {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise FastMTPError(f"--concurrency needs levels >= 1; got {text!r}")
+    return levels
+
+
+def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool):
+    """(runners by arm key, prompts' ids, engine description, servers to shut down, more meta)."""
+    from fastmtp_sglang.benchmark.concurrency import closed_loop
+    from fastmtp_sglang.benchmark.sweep import arm_key, build_engines
+    from fastmtp_sglang.core.draft_dir import load_head
+    from fastmtp_sglang.core.target import load_target, require_fits
+    from fastmtp_sglang.serving.app import ReferenceServer
+    from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+
+    if not args.target:
+        raise FastMTPError("--engine reference needs --target")
+    target = load_target(args.target, dtype=args.dtype)
+    head = None
+    if max(cfg.steps) > 0 or cfg.auto_steps:
+        if not args.draft:
+            raise FastMTPError("K > 0 needs --draft")
+        head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
+        require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
+    prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
+                              args.category, not args.raw)
+    vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
+    engines = build_engines(target, head, cfg, draft_vocab=vocab, progress=progress,
+                            cost_batches=tuple(lv for lv in levels if lv > 1))
+    servers, runners = [], {}
+    top = max(levels)
+    extra = {}
+    auto = next((e.auto for e in engines.values() if e.auto is not None), None)
+    if auto is not None:  # what the auto arm believes a cycle costs at each level (ms per K)
+        extra["auto_cycle_ms_by_batch"] = {str(lv): [round(auto.costs.cycle_ms(k, lv), 2)
+                                                     for k in range(auto.kmax + 1)] for lv in levels}
+    for (drafter, k), eng in engines.items():
+        srv = ReferenceServer(eng, "127.0.0.1", 0, max_batch=top, max_queue=4 * top + 16)
+        srv.start(engine_thread=False)  # the engine runs on this (the main) thread: drive()
+        servers.append(srv)
+
+        def runner(bodies, level, srv=srv):
+            return srv.drive(lambda: closed_loop(srv.url, bodies, level))
+
+        runners[arm_key(drafter, k)] = runner
+    dtype = str(target.model.dtype).replace("torch.", "")
+    vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
+    desc = (f"reference server in-process (one per arm, continuous batching up to {top} rows, "
+            f"engine on the main thread), {dtype}, {vdesc}")
+    return runners, [ids for _, _, _, ids in prompts], desc, servers, extra
+
+
+def _servers(args: argparse.Namespace, cfg):
+    from transformers import AutoTokenizer
+
+    from fastmtp_sglang.benchmark.concurrency import closed_loop
+    from fastmtp_sglang.benchmark.sweep import servers_by_k
+
+    if cfg.ngram_steps:
+        raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url")
+    if not args.target:
+        raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
+    urls, _ = servers_by_k(args.url)
+    missing = [k for k in cfg.steps if k not in urls]
+    if missing:
+        raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
+                           "one server per K (K=0 is a server without speculation)")
+    tok = AutoTokenizer.from_pretrained(args.target)
+    prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
+    runners = {str(k): (lambda bodies, level, u=urls[k]: closed_loop(u, bodies, level))
+               for k in cfg.steps}
+    desc = "servers: " + ", ".join(f"K={k} {urls[k]}" for k in cfg.steps)
+    return runners, [ids for _, _, _, ids in prompts], desc, [], {}
+
+
+def run_concurrency(args: argparse.Namespace, cfg) -> int:
+    from fastmtp_sglang.benchmark.concurrency import markdown, plot, run_levels, summarize_levels
+    from fastmtp_sglang.decode.costs import cpu_description
+
+    levels = parse_levels(args.concurrency)
+    progress = not args.no_progress
+    if args.requests_per_level is not None and args.requests_per_level < 1:
+        raise FastMTPError(f"--requests-per-level must be >= 1, got {args.requests_per_level}")
+    runners, prompts, desc, servers, extra = (_servers(args, cfg) if args.url
+                                       else _in_process(args, cfg, levels, progress))
+    per_level = args.requests_per_level or len(prompts)
+    sampling = {**cfg.sampling_params(), "seed": cfg.seed}
+    try:
+        runs = run_levels(runners, prompts, levels, sampling, per_level, cfg.repeats,
+                          warmup=cfg.warmup, progress=progress)
+    finally:
+        for srv in servers:
+            srv.shutdown()
+    table = summarize_levels(runs)
+    cpu = cpu_description()
+    meta: dict[str, Any] = {
+        "command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "label": args.label or f"{Path(args.target).name} + "
+                               f"{Path(args.draft.rstrip('/')).name if args.draft else 'servers'}",
+        "engine": desc, "cpu": f"{cpu['model']}; flags {' '.join(cpu['flags'])}; "
+                               f"{cpu['threads']} threads",
+        "levels": levels, "prompts": len(prompts), "per_level": per_level,
+        "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens,
+        "sampling": sampling, "target": args.target, "draft": args.draft,
+        **extra,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "results": {"concurrency": table},
+               "runs": [{"arm": r.arm, "level": r.level, "repeat": r.repeat, "wall_s": r.wall_s,
+                         "output_tokens": r.output_tokens,
+                         "requests": [vars(x) for x in r.records]} for r in runs]}
+    if args.emit_engine_config:
+        payload["engine_config"] = _engine_config(table, cfg, out)
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(out / "results.json")
+    md = markdown(table, meta)
+    if "engine_config" in payload:
+        md += _engine_config_md(payload["engine_config"])
+    (out / "results.md").write_text(md)
+    plot(table, out / "results.png", meta["label"])
+    print(md)
+    print(f"wrote {out}/results.json, results.md, results.png")
+    return 0
+
+
+def _engine_config(table: dict, cfg, out: Path) -> dict[str, Any]:
+    """The best static K per level, as SGLang's and vLLM's K-per-batch-size settings."""
+    from fastmtp_sglang.serving import engine_config as ec
+
+    best = ec.best_k_by_batch(table)
+    kmax = max(cfg.steps)
+    res: dict[str, Any] = {"best_k_by_batch": {str(b): k for b, k in best.items()}}
+    if kmax >= 1:
+        res["sglang_args"] = ec.sglang_adaptive_args(best, kmax, out / "sglang_adaptive.json")
+        res["vllm_num_speculative_tokens_per_batch_size"] = ec.vllm_k_per_batch_size(best, kmax)
+    return res
+
+
+def _engine_config_md(ec: dict[str, Any]) -> str:
+    lines = ["", "K per batch size measured here (best static K at each concurrency):", "",
+             "- " + ", ".join(f"batch {b}: K={k}" for b, k in ec["best_k_by_batch"].items())]
+    if "sglang_args" in ec:
+        lines.append(f"- SGLang 0.5.23: `{' '.join(map(str, ec['sglang_args']))}`")
+        lines.append("- vLLM 0.32 speculative_config: `\"num_speculative_tokens_per_batch_size\": "
+                     f"{json.dumps(ec['vllm_num_speculative_tokens_per_batch_size'])}`")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,203 @@
+"""The state of the requests a ReferenceEngine runs together: one ``Row`` per request (host
+side) and one ``Batch`` (device side: the target's slot cache and its mask, each row's pending
+token and position, the head's cache and hidden state, the sampling settings).
+
+Rows leave a batch when they finish (``Batch.remove``) and new ones join it between cycles
+(``Batch.merge``, continuous batching): the batch is re-indexed each time, so row ``j`` of every
+tensor is ``rows[j]``. The target's cache is slot-based (every cycle appends ``K + 1`` slots to
+every row, a mask hides rejected ones); ``Batch.repack`` moves each row's live slots to the
+front when the holes outgrow them, so a batch that never empties keeps a bounded cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from fastmtp_sglang.decode.metrics import RequestMetrics
+from fastmtp_sglang.decode.sampling import logits_to_probs, sample
+
+REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
+
+
+class Row:
+    """Host-side bookkeeping of one request in flight. ``key`` is what ``on_tokens`` and the
+    finished results are reported under (the request's index in ``generate``)."""
+
+    def __init__(self, req, key: Any, steps: int, device: torch.device):
+        self.req, self.key, self.index = req, key, 0
+        self.out: list[int] = []
+        self.finish: dict[str, Any] | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(req.input_ids), steps=steps)
+        self.text_checked = 0  # how many output tokens the stop-string check has seen
+        self.est: list[float] = []  # auto: running conditional acceptance per draft position
+        self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
+        self.t_decode = 0.0  # perf_counter when its decoding began (after its prefill)
+        # one generator per request: a seeded request samples the same tokens whatever batch it
+        # shares (rows without a seed draw theirs from torch's global generator)
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(req.params.seed if req.params.seed is not None
+                             else int(torch.randint(0, 2**62, (1,)).item()))
+
+
+class Batch:
+    """The device-side state of the rows an engine runs together (see the module docstring)."""
+
+    def __init__(self, engine, requests: list, keys: list):
+        dev, K = engine.device, engine.steps
+        self.engine = engine
+        self.use_head = bool(K) and (engine.drafter is None or engine.hybrid)
+        self.plan: list[tuple[bool, int, list[int]]] = []  # hybrid: (lookup?, match n, proposal) per row
+        self.rows = [Row(r, k, K, dev) for r, k in zip(requests, keys)]
+        if engine.auto is not None:
+            for row in self.rows:
+                row.est = engine.auto.new_estimate()  # per-position acceptance, this request's own
+        self._index()
+        # set by ReferenceEngine._prefill
+        self.cache = self.valid = self.pending = self.pos = None
+        self.dcache = self.g = self.tidx = self.extra = None
+        self.zero_run = 0    # cycles in a row at K=0 (auto)
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
+
+    def _index(self) -> None:
+        """Number the rows 0..n-1 and rebuild the per-row sampling tensors."""
+        dev = self.engine.device
+        for j, r in enumerate(self.rows):
+            r.index = j
+        self.active = torch.arange(len(self.rows), device=dev)
+        self.gens = [r.gen for r in self.rows]
+        params = [r.req.params for r in self.rows]
+        self.greedy = all(p.is_greedy for p in params)
+        self.temp = torch.tensor([p.temperature for p in params], device=dev)
+        self.top_p = torch.tensor([p.top_p for p in params], device=dev)
+        self.top_k = torch.tensor([p.top_k for p in params], device=dev)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # -- picking tokens ---------------------------------------------------------------------------
+    def pick(self, logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        probs = logits_to_probs(logits.float(), self.temp[rows_t], self.top_p[rows_t], self.top_k[rows_t])
+        toks = torch.cat([sample(probs[i:i + 1], self.gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
+        return toks, probs
+
+    def draft_pick(self, g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
+        e = self.engine
+        if e.draft_vocab is None:
+            return self.pick(e.head.project(g).float(), rows_t)
+        if self.greedy:
+            return e.draft_vocab.greedy(g, self.tidx, self.extra), None
+        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float(), rows_t)
+
+    # -- rows leaving and joining -------------------------------------------------------------------
+    def finished(self) -> list[Row]:
+        return [r for r in self.rows if r.finish is not None]
+
+    def remove(self, gone: list[Row]) -> None:
+        """Drop these rows from every batched tensor and re-index the rest."""
+        if not gone:
+            return
+        ids = {id(r) for r in gone}
+        live = [r for r in self.rows if id(r) not in ids]
+        sel = torch.tensor([r.index for r in live], dtype=torch.long, device=self.engine.device)
+        self.rows = live
+        self._index()
+        if not live:
+            self.cache = self.valid = self.pending = self.pos = None
+            self.dcache = self.g = self.tidx = self.extra = None
+            self.deferred = []
+            return
+        self.cache.batch_select_indices(sel)
+        self.valid, self.pending, self.pos = self.valid[sel], self.pending[sel], self.pos[sel]
+        if self.use_head:
+            self.dcache.select(sel)
+            self.g = self.g[sel]
+            self.deferred = [tuple(x[sel] for x in d) for d in self.deferred]
+            if self.tidx is not None:
+                self.tidx = self.tidx[sel]
+                self.extra = self.extra[sel] if self.extra is not None else None
+
+    def merge(self, other: "Batch") -> None:
+        """Append the rows of a freshly prefilled batch (continuous batching). The head's
+        deferred draft extends (auto's K=0 cycles) must have been caught up first."""
+        if self.deferred:
+            raise RuntimeError("merge after the deferred draft extends were caught up")
+        if not self.rows:
+            self.__dict__.update({k: v for k, v in other.__dict__.items() if k != "zero_run"})
+            return
+        self.rows = self.rows + other.rows
+        self._index()
+        self.cache, self.valid = merge_slot_caches(self.cache, self.valid, other.cache, other.valid)
+        self.pending = torch.cat([self.pending, other.pending])
+        self.pos = torch.cat([self.pos, other.pos])
+        if self.use_head:
+            self.dcache.extend(other.dcache)
+            self.g = torch.cat([self.g, other.g])
+            if self.tidx is not None:
+                self.tidx = torch.cat([self.tidx, other.tidx])
+                if self.extra is not None:
+                    self.extra = _cat_padded(self.extra, other.extra, -1)
+
+    def repack(self) -> None:
+        """Move every row's live slots to the front when the holes exceed REPACK_SLACK."""
+        counts = self.valid.sum(1)
+        width = int(counts.max())
+        if self.valid.shape[1] - width <= REPACK_SLACK:
+            return
+        self.cache, self.valid = repack_slot_cache(self.cache, self.valid, width)
+
+    def start_decode(self) -> None:
+        now = time.perf_counter()
+        for r in self.rows:
+            r.t_decode = now
+
+
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
+    """Concatenate [n1, E1] and [n2, E2] rows, right-padding the narrower with ``fill``."""
+    w = max(a.shape[1], b.shape[1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=fill)  # noqa: E731
+    return torch.cat([pad(a), pad(b)])
+
+
+def _layers(cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(not hasattr(l, "keys") or not hasattr(l, "values") for l in layers):
+        raise TypeError(f"continuous batching needs a transformers DynamicCache of plain layers, "
+                        f"got {type(cache).__name__}")
+    return layers
+
+
+def merge_slot_caches(ca, va: torch.Tensor, cb, vb: torch.Tensor):
+    """Two slot caches (DynamicCache, valid mask [n, S]) -> one over both batches' rows: the
+    shorter one is padded with hidden slots, then the rows are concatenated. ``ca`` is reused."""
+    S = max(va.shape[1], vb.shape[1])
+    for la, lb in zip(_layers(ca), _layers(cb)):
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, 0, 0, S - x.shape[-2]))
+        la.keys = torch.cat([pad(la.keys), pad(lb.keys)])
+        la.values = torch.cat([pad(la.values), pad(lb.values)])
+    valid = torch.cat([torch.nn.functional.pad(va, (0, S - va.shape[1]), value=False),
+                       torch.nn.functional.pad(vb, (0, S - vb.shape[1]), value=False)])
+    return ca, valid
+
+
+def repack_slot_cache(cache, valid: torch.Tensor, width: int):
+    """Gather each row's live slots (in order) into the first ``width`` slots: attention over a
+    row's keys does not depend on where they sit (positions are in the rotated keys, the mask
+    says which are live), so the outputs stay the same up to summation order."""
+    n, S = valid.shape
+    # stable order: live slots first, each row's in their original order
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :width]     # [n, width]
+    new_valid = valid.gather(1, order)
+    for layer in _layers(cache):
+        h, d = layer.keys.shape[1], layer.keys.shape[-1]
+        idx = order[:, None, :, None].expand(n, h, width, d)
+        layer.keys = layer.keys.gather(2, idx)
+        layer.values = layer.values.gather(2, idx)
+    return cache, new_valid
