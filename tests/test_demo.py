@@ -25,5 +25,7 @@ def test_demo_runs_and_writes_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| K | tau" in out and "trained FastMTP head" in out
     res = json.loads((tmp_path / "r" / "results.json").read_text())
-    assert res["results"]["overall"]["2"]["tau"] >= 1.0
+    # the shipped head is accepted: measured 1.875 on these 2 prompts x 8 tokens (bf16 on an
+    # AMX CPU; an untrained head sits near 1.0), so 1.3 is a floor with room for fp32 / bf16
+    assert res["results"]["overall"]["2"]["tau"] >= 1.3
     assert (tmp_path / "r" / "results.png").is_file()
