@@ -11,8 +11,9 @@ speedup over K=0 at the same level.
 
 Arms run against one server each: in-process (the reference engine; one ReferenceServer per
 arm, every one driven by this process's main thread, where PyTorch is fastest), or given
-servers (``--url``, ours or SGLang's or vLLM through the metrics adapter, each keyed by the K it
-reports). Timing discipline as in fastmtp_sglang.benchmark.sweep: an untimed warm-up level per
+servers (``--url``, ours or SGLang's, each keyed by the K it reports; a vLLM server behind the
+metrics adapter is loaded directly through its OpenAI API, since the adapter serialises requests,
+and its accept length comes from vLLM's /metrics counters over each run). Timing discipline as in fastmtp_sglang.benchmark.sweep: an untimed warm-up level per
 arm, the order of the arms rotated from level to level and repeat to repeat, the median over
 repeats, and speedups paired within a repeat (each arm over the K=0 run next to it).
 """
@@ -43,12 +44,14 @@ class RequestRecord:
 
 @dataclass
 class LevelRun:
-    """One arm at one concurrency level, one repeat."""
+    """One arm at one concurrency level, one repeat. ``spec``: server-wide speculation counters
+    over the run ({"drafts", "accepted"}: vLLM reports no per-request counts), or None."""
     arm: str
     level: int
     repeat: int
     wall_s: float
     records: list[RequestRecord] = field(default_factory=list)
+    spec: dict[str, int] | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -61,11 +64,86 @@ class LevelRun:
 
 def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int,
                 timeout: float = 600) -> tuple[float, list[RequestRecord]]:
-    """Send ``bodies`` (each {"input_ids": [...], "sampling_params": {...}}) from ``concurrency``
-    streaming clients, each sending its next body when its answer is complete. Returns (wall
-    seconds from the first send to the last answer, one record per request)."""
+    """Send ``bodies`` (each {"input_ids": [...], "sampling_params": {...}}) to SGLang's
+    ``/generate`` (ours or SGLang's) from ``concurrency`` streaming clients, each sending its
+    next body when its answer is complete. Returns (wall seconds from the first send to the last
+    answer, one record per request)."""
     from fastmtp_sglang.serving.client import stream_generate
 
+    def one(body: dict[str, Any]) -> RequestRecord:
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        for chunk in stream_generate(url, input_ids=body["input_ids"],
+                                     sampling_params=body["sampling_params"], timeout=timeout):
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = chunk
+        e2e = time.perf_counter() - t0
+        meta = (last or {}).get("meta_info", {})
+        n = int(meta.get("completion_tokens", len((last or {}).get("output_ids", []))))
+        return RequestRecord(n, ttft if ttft is not None else e2e, e2e,
+                             int(meta.get("spec_verify_ct") or 0))
+
+    return _run_clients(one, bodies, concurrency, url)
+
+
+def closed_loop_openai(vllm_url: str, bodies: list[dict[str, Any]], concurrency: int,
+                       timeout: float = 600) -> tuple[float, list[RequestRecord], dict[str, int]]:
+    """``closed_loop`` against a vLLM OpenAI-compatible server directly (streamed
+    /v1/completions with token-id prompts; the SGLang-API adapter serialises requests, so under
+    load the clients talk to vLLM itself). Returns (wall s, records, {"drafts", "accepted"}: the
+    deltas of vLLM's /metrics counters over the run)."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    from fastmtp_sglang.serving.vllm_proxy import VLLMAdapter
+
+    adapter = VLLMAdapter(vllm_url, 0)
+    model = adapter.model_name()
+    u = urlparse(vllm_url)
+
+    def one(body: dict[str, Any]) -> RequestRecord:
+        sp = dict(body["sampling_params"])
+        req = {"model": model, "prompt": body["input_ids"], "stream": True,
+               "stream_options": {"include_usage": True},
+               "max_tokens": int(sp.pop("max_new_tokens", 128)),
+               "temperature": float(sp.pop("temperature", 1.0))}
+        for key in ("top_p", "top_k", "seed", "ignore_eos", "stop", "stop_token_ids"):
+            if key in sp:
+                req[key] = sp[key]
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+        t0 = time.perf_counter()
+        ttft, tokens = None, None
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(req), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise FastMTPError(f"vLLM at {vllm_url}: HTTP {resp.status}: {resp.read()[:300]!r}")
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        finally:
+            conn.close()
+        e2e = time.perf_counter() - t0
+        return RequestRecord(tokens or 0, ttft if ttft is not None else e2e, e2e, 0)
+
+    before = adapter.metrics()
+    wall, records = _run_clients(one, bodies, concurrency, vllm_url)
+    after = adapter.metrics()
+    return wall, records, {"drafts": after["drafts"] - before["drafts"],
+                           "accepted": after["accepted"] - before["accepted"]}
+
+
+def _run_clients(one: Callable[[dict[str, Any]], RequestRecord], bodies: list[dict[str, Any]],
+                 concurrency: int, where: str) -> tuple[float, list[RequestRecord]]:
+    """``concurrency`` threads, each running ``one(body)`` for the next body until none is left."""
     todo: queue.Queue = queue.Queue()
     for b in bodies:
         todo.put(b)
@@ -79,24 +157,14 @@ def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int,
                 body = todo.get_nowait()
             except queue.Empty:
                 return
-            t0 = time.perf_counter()
-            ttft, last = None, None
             try:
-                for chunk in stream_generate(url, input_ids=body["input_ids"],
-                                             sampling_params=body["sampling_params"], timeout=timeout):
-                    if ttft is None and chunk.get("output_ids"):
-                        ttft = time.perf_counter() - t0
-                    last = chunk
-            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                rec = one(body)
+            except BaseException as exc:  # noqa: BLE001 - reported below
                 with lock:
                     errors.append(exc)
                 return
-            e2e = time.perf_counter() - t0
-            meta = (last or {}).get("meta_info", {})
-            n = int(meta.get("completion_tokens", len((last or {}).get("output_ids", []))))
             with lock:
-                records.append(RequestRecord(n, ttft if ttft is not None else e2e, e2e,
-                                             int(meta.get("spec_verify_ct") or 0)))
+                records.append(rec)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
@@ -106,7 +174,7 @@ def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int,
         t.join()
     wall = time.perf_counter() - t0
     if errors:
-        raise FastMTPError(f"a request failed at concurrency {concurrency} against {url}: "
+        raise FastMTPError(f"a request failed at concurrency {concurrency} against {where}: "
                            f"{type(errors[0]).__name__}: {errors[0]}")
     return wall, records
 
@@ -146,8 +214,8 @@ def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[
                 bodies = level_bodies(prompts, level, per_level, sampling)
                 for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
                     bar.set_postfix_str(f"C={level} {arm}")
-                    wall, records = runners[arm](bodies, level)
-                    runs.append(LevelRun(arm, level, rep, wall, records))
+                    wall, records, *spec = runners[arm](bodies, level)
+                    runs.append(LevelRun(arm, level, rep, wall, records, spec[0] if spec else None))
                     bar.update(1)
                 i += 1
     return runs
@@ -173,6 +241,7 @@ def summarize_levels(runs: list[LevelRun], baseline: str = "0") -> dict[str, dic
             mine = [r for r in at if r.arm == arm]
             recs = [x for r in mine for x in r.records]
             cycles = sum(x.verify_ct for x in recs)
+            spec = [r.spec for r in mine if r.spec is not None]
             ratios = [r.output_tokens_per_s / base[r.repeat] for r in mine
                       if base.get(r.repeat)]
             out[str(level)][arm] = {
@@ -184,13 +253,20 @@ def summarize_levels(runs: list[LevelRun], baseline: str = "0") -> dict[str, dic
                 "tpot_s_p50": _pct([x.tpot_s for x in recs if x.tokens > 1], 0.5),
                 "tpot_s_p90": _pct([x.tpot_s for x in recs if x.tokens > 1], 0.9),
                 # tokens per verify cycle after the prefill's first token (1.0 at K=0)
-                "accept_length": sum(x.tokens - 1 for x in recs) / cycles if cycles else None,
+                "accept_length": (sum(x.tokens - 1 for x in recs) / cycles if cycles else
+                                  _spec_accept_length(spec)),
                 "requests": len(recs) // max(len(mine), 1),
                 "speedup": statistics.median(ratios) if ratios else None,
                 "speedup_spread": ((max(ratios) - min(ratios)) / statistics.median(ratios)
                                    if len(ratios) > 1 else 0.0),
             }
     return out
+
+
+def _spec_accept_length(spec: list[dict[str, int]]) -> float | None:
+    """vLLM's counters: 1 + accepted / drafts over the runs (its tau, our cycle definition)."""
+    drafts = sum(x["drafts"] for x in spec)
+    return 1 + sum(x["accepted"] for x in spec) / drafts if drafts else None
 
 
 def stops_paying(table: dict[str, dict[str, Any]], baseline: str = "0") -> dict[str, int | None]:

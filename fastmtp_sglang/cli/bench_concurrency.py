@@ -87,9 +87,20 @@ def _servers(args: argparse.Namespace, cfg):
                            "one server per K (K=0 is a server without speculation)")
     tok = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
-    runners = {str(k): (lambda bodies, level, u=urls[k]: closed_loop(u, bodies, level))
-               for k in cfg.steps}
-    desc = "servers: " + ", ".join(f"K={k} {urls[k]}" for k in cfg.steps)
+    from fastmtp_sglang.benchmark.concurrency import closed_loop_openai
+    from fastmtp_sglang.serving.client import server_info
+
+    runners, parts = {}, []
+    for k in cfg.steps:
+        info = server_info(urls[k])
+        if info.get("engine") == "vllm" and info.get("vllm_url"):  # our adapter: load vLLM itself
+            v = info["vllm_url"]
+            runners[str(k)] = lambda bodies, level, v=v: closed_loop_openai(v, bodies, level)
+            parts.append(f"K={k} vLLM {v} (OpenAI API, streamed; found through {urls[k]})")
+        else:
+            runners[str(k)] = lambda bodies, level, u=urls[k]: closed_loop(u, bodies, level)
+            parts.append(f"K={k} {urls[k]}")
+    desc = "servers: " + ", ".join(parts)
     return runners, [ids for _, _, _, ids in prompts], desc, [], {}
 
 
