@@ -107,3 +107,42 @@ def test_stream_refused_with_400(adapter_url):
     with pytest.raises(client.ServerError) as exc:
         next(client.stream_generate(adapter_url, text="x"))
     assert exc.value.status == 400 and "does not stream" in exc.value.message
+
+
+class _FakeStreamingVLLM(_FakeVLLM):
+    """Streams /v1/completions as vLLM does (SSE chunks, a final usage chunk, [DONE]); every
+    request advances the speculation counters by 10 drafts, 9 accepted tokens."""
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["model"] == "tiny" and isinstance(body["prompt"], list)
+        self.state["n"] += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for i in range(n):
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"text": f" t{i}"}]}).encode() + b"\n\n")
+        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {
+            "prompt_tokens": len(body["prompt"]), "completion_tokens": n}}).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_concurrency_loads_vllm_through_its_own_api():
+    from fastmtp_sglang.benchmark.concurrency import closed_loop_openai
+
+    _FakeStreamingVLLM.state = {"n": 0}
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), _FakeStreamingVLLM)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    try:
+        bodies = [{"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+                  for _ in range(5)]
+        wall, records, spec = closed_loop_openai(f"http://127.0.0.1:{fake.server_address[1]}",
+                                                 bodies, 3)
+    finally:
+        fake.shutdown()
+    assert len(records) == 5 and all(r.tokens == 4 for r in records)
+    assert all(0 < r.ttft_s <= r.e2e_s <= wall for r in records)
+    # the fake's counters: 10 drafts and 6 + 2 + 1 accepted per request
+    assert spec == {"drafts": 50, "accepted": 45}

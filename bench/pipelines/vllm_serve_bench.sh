@@ -6,7 +6,9 @@
 #
 # Environment: PYTHON (default ../vllm-venv/bin/python), DTYPE (default float32), TARGET (default:
 # the demo target, materialised if needed), DRAFT (default the shipped head), LIMIT (prompts per
-# Spec-Bench category, default 1), TOKENS (default 64), REPEATS (default 1).
+# Spec-Bench category, default 1), TOKENS (default 64), REPEATS (default 1), CONCURRENCY (e.g.
+# 1,2,4,8,16: throughput under load instead of one request at a time; the bench then loads each
+# vLLM server through its own OpenAI API, found through the adapter's /server_info).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -43,6 +45,6 @@ serve "$K" 810"$K" 3010"$K"
 "$PYTHON" -m fastmtp_sglang bench --url http://127.0.0.1:30100 --url "http://127.0.0.1:3010$K" \
     --steps "0,$K" --target "$TARGET" --prompts bench/data/spec_bench.jsonl \
     --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --temperature 0 --out "$OUT" \
-    --repeats "${REPEATS:-1}" \
-    --label "vLLM $DTYPE (CPU) via the SGLang-API adapter, K=0 vs K=$K"
+    --repeats "${REPEATS:-1}" ${CONCURRENCY:+--concurrency "$CONCURRENCY"} \
+    --label "vLLM $DTYPE (CPU), K=0 vs K=$K${CONCURRENCY:+ under load}"
 echo "vLLM logs: $LOGS"
