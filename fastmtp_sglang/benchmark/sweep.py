@@ -351,6 +351,7 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
     """One reference engine per arm of ``cfg`` (``cfg.arms``), all sharing ``target`` and
     ``head``. The auto arm uses ``cost_curve`` (measured here when None: :func:`auto_costs`),
     and the same costs measured at ``cost_batches`` rows (K per batch size)."""
+    from fastmtp_sglang.decode.auto import auto_engine
     from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.decode.ngram import NgramDrafter
 
@@ -377,35 +378,17 @@ def arm_key(drafter: str, k: int) -> str:
 def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True, batch: int = 1):
     """This machine's cost curve for the ``auto`` arm (verify 1..kmax+1 tokens, draft step, draft
     extend; at ``batch`` rows, a few seconds; fastmtp_sglang.decode.costs)."""
-    from fastmtp_sglang.decode.costs import measure
+    from fastmtp_sglang.decode.auto import measure_auto_costs
 
     if head is None:
         raise FastMTPError("the auto arm drafts with the head: give --draft")
     if progress:
         print(f"auto: measuring this machine's cost curve (verify 1..{kmax + 1} tokens, draft step, "
               f"draft extend) at batch {batch}", file=sys.stderr)
-    curve = measure(target, head, draft_vocab, ns=tuple(range(1, kmax + 2)), repeats=7, warmup=2,
-                    bandwidth_mib=256, batch=batch)  # larger than the last-level cache
+    curve = measure_auto_costs(target, head, kmax, draft_vocab, batch)
     if progress:
         print("auto: " + cost_line(curve), file=sys.stderr)
     return curve
-
-
-def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
-                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16,
-                batched_curves: list | None = None):
-    """The reference engine of the ``auto`` arm: K per cycle in 0..kmax from ``curve``; with
-    ``drafter="hybrid"`` each row also takes prompt lookup's proposal (suffix matches of 1-4
-    tokens) whenever its estimate beats the head's."""
-    from fastmtp_sglang.decode.auto import AutoK, StepCosts
-    from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.decode.ngram import NgramDrafter
-
-    hybrid = drafter == "hybrid"
-    return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
-                           drafter=NgramDrafter(max_ngram=4) if hybrid else None,
-                           auto=AutoK(StepCosts.from_curve(curve, batched_curves), kmax, alpha=alpha,
-                                      probe_every=probe_every), hybrid=hybrid)
 
 
 def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:

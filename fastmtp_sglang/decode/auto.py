@@ -199,3 +199,29 @@ class AutoK:
         if k == 0 and zero_run >= self.probe_every:
             return 1
         return k
+
+
+def measure_auto_costs(target, head, kmax: int, draft_vocab=None, batch: int = 1):
+    """This machine's costs for ``auto``: verify 1..kmax+1 tokens, draft step, draft extend, at
+    ``batch`` rows (a few seconds; fastmtp_sglang.decode.costs.measure)."""
+    from fastmtp_sglang.decode.costs import measure
+
+    return measure(target, head, draft_vocab, ns=tuple(range(1, kmax + 2)), repeats=7, warmup=2,
+                   bandwidth_mib=256, batch=batch)  # larger than the last-level cache
+
+
+def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
+                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16,
+                batched_curves: list | None = None):
+    """A ReferenceEngine whose K is chosen per cycle in 0..kmax from ``curve`` (and the same
+    costs at larger batches, ``batched_curves``); with ``drafter="hybrid"`` each row also takes
+    prompt lookup's proposal (suffix matches of 1-4 tokens) whenever its estimate beats the
+    head's."""
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.decode.ngram import NgramDrafter
+
+    hybrid = drafter == "hybrid"
+    return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
+                           drafter=NgramDrafter(max_ngram=4) if hybrid else None,
+                           auto=AutoK(StepCosts.from_curve(curve, batched_curves), kmax, alpha=alpha,
+                                      probe_every=probe_every), hybrid=hybrid)
