@@ -818,3 +818,56 @@ def test_connection_burst_is_not_reset(world, local_target):
     with ReferenceServer(engine, "127.0.0.1", 0) as srv:
         with ThreadPoolExecutor(128) as pool:
             assert list(pool.map(health, range(128))) == [200] * 128
+
+
+def test_serve_steps_auto_reference_and_sglang_flags(world, tmp_path, capsys):
+    """`--steps auto`: the reference server measures its costs at start and picks K per cycle
+    (lossless: greedy output == the oracle); on SGLang it becomes --speculative-adaptive at a K
+    SGLang's built-in tiers hold, checked by SGLang 0.5.23's own resolution when installed."""
+    from fastmtp_sglang.cli import build_parser
+    from fastmtp_sglang.cli.serve import build_reference_server, default_draft, sglang_auto_args
+
+    target, draft, tok, model = world
+    args = build_parser().parse_args(["serve", "--engine", "reference", "--target", str(target),
+                                      "--draft", str(draft), "--steps", "auto", "--auto-max-steps",
+                                      "3", "--port", "0", "--max-batch", "2"])
+    srv = build_reference_server(args)
+    try:
+        assert srv.engine.auto is not None and srv.engine.steps == 3 and srv.engine.hybrid
+        assert set(srv.engine.auto.costs.by_batch) == {2}
+        assert srv.server_info()["speculative_adaptive"] is True
+        srv.start()
+        ids = tok(PROMPTS[0])["input_ids"]
+        assert client.generate(srv.url, input_ids=ids, sampling_params=GREEDY)["output_ids"] == \
+            greedy_oracle(model, ids)
+    finally:
+        srv.shutdown()
+    assert "--steps auto: K in 0..3 per cycle" in capsys.readouterr().out
+
+    def sg(*extra):
+        a = build_parser().parse_args(["serve", "--engine", "sglang", "--target", str(target),
+                                       "--draft", str(draft), *extra])
+        default_draft(a)
+        return a, sglang_auto_args(a)
+
+    a, flags = sg("--steps", "auto")
+    assert a.steps == 3 and flags == ["--speculative-adaptive"]
+    with pytest.raises(FastMTPError, match="built-in adaptive tiers do not hold"):
+        sg("--steps", "auto", "--auto-max-steps", "4")
+    cfg = tmp_path / "tiers.json"
+    cfg.write_text('{"1": {"candidate_steps": [2, 4]}}')
+    a, flags = sg("--steps", "auto", "--auto-max-steps", "4", "--adaptive-config", str(cfg))
+    assert flags == ["--speculative-adaptive", "--speculative-adaptive-config", str(cfg.resolve())]
+    with pytest.raises(FastMTPError, match="goes with --steps auto"):
+        sg("--steps", "3", "--adaptive-config", str(cfg))
+    with pytest.raises(FastMTPError, match="integer >= 0\\) or auto"):
+        sg("--steps", "three")
+    sgl = pytest.importorskip("sglang.srt.server_args")
+    from fastmtp_sglang.serving.sglang_launch import build_launch_command
+
+    a, flags = sg("--steps", "auto")
+    argv, _ = build_launch_command(target, draft, a.steps, 30000, "127.0.0.1",
+                                   flags + ["--device", "cpu"])
+    server_args = sgl.prepare_server_args(argv[3:])
+    server_args.resolve_once()
+    assert server_args.speculative_adaptive is True and server_args.speculative_num_steps == 3

@@ -91,6 +91,27 @@ def run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
     return sglang_launch.run_sglang(args, extra)
 
 
+def sglang_auto_args(args: argparse.Namespace) -> list[str]:
+    """``--steps auto`` on SGLang: its own adaptive speculation (EAGLE worker, topk 1): batch-size
+    tiers, each switching between its candidate K by an EMA of accepted drafts. Our K must be
+    one of the candidates (SGLang refuses to start otherwise): checked here for the built-in
+    tiers; a ``--adaptive-config`` file (from ``fastmtp bench --emit-engine-config``) is SGLang's
+    to check."""
+    if not args.auto:
+        if args.adaptive_config:
+            raise FastMTPError("--adaptive-config goes with --steps auto")
+        return []
+    out = ["--speculative-adaptive"]
+    if args.adaptive_config:
+        return out + ["--speculative-adaptive-config", str(Path(args.adaptive_config).resolve())]
+    if args.steps not in SGLANG_DEFAULT_CANDIDATES:
+        raise FastMTPError(f"--steps auto on SGLang starts at --auto-max-steps {args.steps}, which "
+                           "SGLang's built-in adaptive tiers do not hold: pick one of "
+                           f"{', '.join(map(str, SGLANG_DEFAULT_CANDIDATES[1:]))}, or give "
+                           "--adaptive-config")
+    return out
+
+
 def build_reference_server(args: argparse.Namespace):
     """Check the flags, then load target + head, check they fit, and build (not start) the
     ReferenceServer (fastmtp_sglang.serving.reference)."""
@@ -114,7 +135,8 @@ def build_reference_server(args: argparse.Namespace):
     if args.draft is None and args.steps > 0:
         raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
     return load_reference_server(
-        args.target, args.draft, args.steps, host=args.host, port=args.port, vocab=args.vocab,
+        args.target, args.draft, args.steps, auto=args.auto, auto_drafter=args.auto_drafter,
+        host=args.host, port=args.port, vocab=args.vocab,
         dtype=args.dtype, device=args.device, max_context=args.max_context,
         allow_base_mismatch=args.allow_base_mismatch, max_batch=args.max_batch,
         batch_window_s=args.batch_window_ms / 1000, log_requests=args.log_requests,
@@ -164,10 +186,33 @@ def _made_for(draft, target) -> bool:
         return False
 
 
+SGLANG_DEFAULT_CANDIDATES = (0, 1, 3, 5, 7)  # 0.5.23's built-in adaptive tiers, all K they hold
+
+
+def parse_serve_steps(args: argparse.Namespace) -> None:
+    """``--steps`` is K, or ``auto`` (then ``args.auto`` is set and K is the largest it may
+    pick: ``--auto-max-steps``, default 4 on the reference engine and 3 on SGLang)."""
+    args.auto = False
+    if args.steps is None or isinstance(args.steps, int):
+        return
+    text = str(args.steps).strip().lower()
+    if text == "auto":
+        args.auto = True
+        args.steps = args.auto_max_steps or (3 if args.engine == "sglang" else 4)
+        if args.steps < 1:
+            raise FastMTPError(f"--auto-max-steps must be >= 1, got {args.steps}")
+        return
+    try:
+        args.steps = int(text)
+    except ValueError:
+        raise FastMTPError(f"--steps takes K (an integer >= 0) or auto; got {args.steps!r}") from None
+
+
 def default_draft(args: argparse.Namespace) -> None:
     """Without --draft: the head shipped with the package when it was made for this target
     (the demo target), else plain decoding; says which in one line. --steps defaults to 3
     with a draft, 0 without."""
+    parse_serve_steps(args)
     if args.draft is not None:
         args.steps = 3 if args.steps is None else args.steps
         return
@@ -182,6 +227,8 @@ def default_draft(args: argparse.Namespace) -> None:
             return
         if args.steps is not None:
             raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
+    if args.auto:
+        raise FastMTPError("--steps auto drafts with a head: give --draft DIR")
     args.steps = 0
     print("fastmtp serve: no --draft: plain decoding (K=0); give --draft DIR to speculate",
           flush=True)
@@ -192,10 +239,15 @@ def _run(args: argparse.Namespace) -> int:
     engine, why = pick_engine(args.engine)
     if args.engine == "auto":
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
+    args.engine = engine
     if engine != "reference":
         default_draft(args)
     if engine == "sglang":
-        return run_sglang(args, extra)
+        return run_sglang(args, extra + sglang_auto_args(args))
+    if engine == "vllm" and args.auto:
+        raise FastMTPError("--steps auto is not passed to vLLM: serve --steps K and give vLLM a K "
+                           "per batch size (`fastmtp bench --concurrency ... --emit-engine-config` "
+                           "writes num_speculative_tokens_per_batch_size for --speculative-config)")
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
         from fastmtp_sglang.serving.vllm_launch import run_vllm
 
@@ -216,9 +268,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None,
                    help="draft directory (FastMTP head); default: the head shipped for the demo "
                         "target when serving it, else none (plain decoding)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", default=None,
                    help="K, tokens drafted per verification (default 3 with a draft, 0 without); "
-                        "0 = plain decoding")
+                        "0 = plain decoding; auto = K chosen per cycle (reference engine: from "
+                        "this machine's costs measured at start, per batch size; SGLang: its "
+                        "--speculative-adaptive)")
+    p.add_argument("--auto-max-steps", type=int, default=None,
+                   help="--steps auto: the largest K (default 4 on the reference engine; on "
+                        "SGLang the K it starts at, default 3, one of its tiers' candidates)")
+    p.add_argument("--auto-drafter", choices=("hybrid", "head"), default="hybrid",
+                   help="--steps auto on the reference engine: the head and prompt lookup per "
+                        "request and cycle (hybrid, default), or the head alone")
+    p.add_argument("--adaptive-config", default=None,
+                   help="--steps auto on SGLang: a --speculative-adaptive-config JSON file (for "
+                        "example from fastmtp bench --concurrency --emit-engine-config)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000,
                    help="port (default 30000, SGLang's); reference engine: 0 = any free port")

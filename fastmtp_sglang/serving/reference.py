@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | None, steps: int,
                           *, host: str, port: int, vocab: str | None = None,
+                          auto: bool = False, auto_drafter: str = "hybrid",
                           dtype: str = "float32", device: str = "cpu",
                           max_context: int | None = None, allow_base_mismatch: bool = False,
                           **server_options: Any) -> "ReferenceServer":
@@ -25,7 +26,10 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     ----------
     target : the target model directory (Hugging Face format)
     draft : a FastMTP draft directory, or None (plain decoding, ``steps`` 0)
-    steps : K, tokens drafted per verification
+    steps : K, tokens drafted per verification (with ``auto``: the largest K it may pick)
+    auto, auto_drafter : K chosen every cycle from this machine's costs, measured here at batch 1
+        and at the server's largest batch (fastmtp_sglang.decode.auto); hybrid = the head and
+        prompt lookup per request and cycle
     host, port : where the server listens (port 0: any free port)
     vocab : the draft vocabulary (``fastmtp serve --vocab``; see
         fastmtp_sglang.vocab.draft_vocab.resolve_vocab)
@@ -65,7 +69,11 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
         if draft_vocab is not None:
             print(f"fastmtp serve: draft vocabulary {', '.join(draft_vocab.tables.names)}, picked per "
                   "request from the prompt's script", flush=True)
-    engine = ReferenceEngine(target_model, head, steps, max_context, draft_vocab=draft_vocab)
+    if auto:
+        engine = _auto_engine(target_model, head, steps, max_context, draft_vocab, auto_drafter,
+                              int(server_options.get("max_batch", 8)))
+    else:
+        engine = ReferenceEngine(target_model, head, steps, max_context, draft_vocab=draft_vocab)
     try:
         return ReferenceServer(engine, host, port, model_path=str(target),
                                draft_path=None if draft is None else str(draft),
@@ -73,3 +81,24 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     except OSError as exc:
         raise FastMTPError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                            "pick another --port (0 = any free port)") from None
+
+
+def _auto_engine(target, head, kmax: int, max_context, draft_vocab, drafter: str, max_batch: int):
+    """``--steps auto``: measure this machine's cycle costs at batch 1, 4 and ``max_batch``
+    (a few seconds each), then build the engine that picks K from them."""
+    import time
+
+    from fastmtp_sglang.decode.auto import auto_engine, measure_auto_costs
+
+    if head is None:
+        raise FastMTPError("--steps auto drafts with a head: give --draft DIR")
+    t = time.perf_counter()
+    sizes = sorted({1, min(4, max_batch), max_batch})
+    curves = [measure_auto_costs(target, head, kmax, draft_vocab, batch=b) for b in sizes]
+    c = curves[0]
+    print(f"fastmtp serve: --steps auto: K in 0..{kmax} per cycle, costs measured in "
+          f"{time.perf_counter() - t:.0f} s at batch {', '.join(map(str, sizes))} (plain step "
+          f"{c.plain_ms:.1f} ms, verify {kmax + 1} tokens {c.verify_ratio(kmax + 1):.2f}x, draft "
+          f"step {c.draft_step_ms:.1f} ms at batch 1), drafter {drafter}", flush=True)
+    return auto_engine(target, head, kmax, c, max_context, draft_vocab, drafter,
+                       batched_curves=curves[1:])

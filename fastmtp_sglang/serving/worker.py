@@ -653,6 +653,8 @@ class EngineWorker:
             "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": self.engine.steps + 1,
             "steps": self.engine.steps,
+            # K chosen per cycle in 0..steps (--steps auto), SGLang's name for it
+            "speculative_adaptive": getattr(self.engine, "auto", None) is not None,
             "max_batch": self.max_batch,
             "batch_window_s": self.batch_window_s,
             "context_length": self.engine.max_context,
