@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Throughput across K under load (issue 22), on an idle machine:
+#   1. the reference server in-process: K=0, 1, 3, prompt lookup 3 and auto at concurrency
+#      1, 2, 4, 8, 16 (bench/results/concurrency_reference/), with the K-per-batch-size tables for
+#      SGLang and vLLM that this run measured;
+#   2. vLLM (CPU) serving the shipped head, K=0 vs K=3 at the same levels
+#      (bench/results/concurrency_vllm/; needs the vLLM venv, launch/install_vllm_cpu.sh).
+#
+#   bash bench/pipelines/concurrency.sh [reference|vllm|all]
+#
+# Environment: BIN (default .venv/bin), VLLM_PYTHON (default /tmp/fastmtp-ci-vllm-venv/bin/python),
+# LEVELS (default 1,2,4,8,16), LIMIT (prompts per Spec-Bench category, default 1), TOKENS
+# (default 64), REPEATS (default 2).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WHAT=${1:-all}
+BIN=${BIN:-.venv/bin}
+LEVELS=${LEVELS:-1,2,4,8,16}
+LIMIT=${LIMIT:-1}
+TOKENS=${TOKENS:-64}
+REPEATS=${REPEATS:-2}
+T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
+D=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3
+
+if [[ $WHAT == reference || $WHAT == all ]]; then
+    "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$D" --steps 0,1,3,auto \
+        --ngram-steps 3 --concurrency "$LEVELS" --prompts bench/data/spec_bench.jsonl \
+        --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
+        --emit-engine-config --out bench/results/concurrency_reference \
+        --label "SmolLM2-135M + shipped head, reference server (continuous batching)"
+fi
+if [[ $WHAT == vllm || $WHAT == all ]]; then
+    PYTHONPATH="$PWD" PYTHON=${VLLM_PYTHON:-/tmp/fastmtp-ci-vllm-venv/bin/python} TARGET="$T" DRAFT="$PWD/$D" \
+        LIMIT="$LIMIT" TOKENS="$TOKENS" REPEATS="$REPEATS" CONCURRENCY="$LEVELS" \
+        bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm 3
+fi
