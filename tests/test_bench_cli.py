@@ -10,15 +10,18 @@ import torch
 from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
 
 
-def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli):
+def _random_draft(llama_target, tmp_path):
     from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 
     cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
     torch.manual_seed(0)
     head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
                        llama_target.model.get_output_embeddings())
-    draft = tmp_path / "draft"
-    save_draft_dir(draft, cfg, head.state_dict())
+    return save_draft_dir(tmp_path / "draft", cfg, head.state_dict())
+
+
+def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli):
+    draft = _random_draft(llama_target, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
                                enumerate(["a list is a list is a list", "the value of the value",
@@ -47,14 +50,7 @@ def test_bench_auto_arm_is_keyed_auto_and_lossless(llama_target, tmp_path, run_c
     """`--steps 0,1,2,auto`: one more arm, K chosen per cycle from the cost curve measured in the
     run; keyed `auto` in results.json, greedy outputs identical to K=0 in fp32, the K it chose
     reported as mean_k."""
-    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
-
-    cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
-    torch.manual_seed(0)
-    head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
-                       llama_target.model.get_output_embeddings())
-    draft = tmp_path / "draft"
-    save_draft_dir(draft, cfg, head.state_dict())
+    draft = _random_draft(llama_target, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
                                enumerate(["a list is a list is a list", "return the value"])))
@@ -79,17 +75,11 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     in one report keyed by level then arm, each with output_tokens_per_s, latency percentiles,
     the accept length and the speedup over K=0 (1.0 for K=0 itself); then the same levels
     against a running server via --url."""
-    from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
     from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.core.target import load_target
     from fastmtp_sglang.serving.app import ReferenceServer
 
-    cfg = make_draft_config(llama_target.config, "deepseek", dtype="float32")
-    torch.manual_seed(0)
-    head = FastMTPHead(HeadConfig.from_dict(cfg), llama_target.model.get_input_embeddings(),
-                       llama_target.model.get_output_embeddings())
-    draft = tmp_path / "draft"
-    save_draft_dir(draft, cfg, head.state_dict())
+    draft = _random_draft(llama_target, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
                                enumerate(["a list is a list is a list", "the value of the value",

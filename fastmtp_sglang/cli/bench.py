@@ -78,23 +78,7 @@ def run(args: argparse.Namespace) -> int:
                     + " (servers report no draft/verify time split)",
                     draft=args.draft or "; ".join(f"K={k}: {d}" for k, d in sorted(drafts.items()) if k))
     else:
-        from fastmtp_sglang.core.draft_dir import load_head
-        from fastmtp_sglang.core.target import load_target, require_fits
-
-        if not args.target:
-            raise FastMTPError("--engine reference needs --target")
-        target = load_target(args.target, dtype=args.dtype)
-        head = None
-        if max(cfg.steps) > 0 or cfg.auto_steps:
-            if not args.draft:
-                raise FastMTPError("K > 0 needs --draft")
-            head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
-            require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
-        prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
-                                  args.category, not args.raw)
-        from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
-
-        vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
+        target, head, prompts, vocab = load_in_process(args, cfg)
         samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
                                  not args.no_progress, draft_vocab=vocab)
         vdesc = "full vocabulary" if vocab is None else "draft vocab " + ", ".join(vocab.tables.names)
@@ -111,6 +95,27 @@ def run(args: argparse.Namespace) -> int:
     # a contaminated run is written (its acceptance numbers stand); the report says why its
     # speedups are withheld, and so does results.json (timing_check)
     return 0
+
+
+def load_in_process(args: argparse.Namespace, cfg):
+    """(target, head or None, prompts, draft vocabulary or None) for an in-process run."""
+    from fastmtp_sglang.core.draft_dir import load_head
+    from fastmtp_sglang.core.target import load_target, require_fits
+    from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+
+    if not args.target:
+        raise FastMTPError("--engine reference needs --target")
+    target = load_target(args.target, dtype=args.dtype)
+    head = None
+    if max(cfg.steps) > 0 or cfg.auto_steps:
+        if not args.draft:
+            raise FastMTPError("K > 0 needs --draft")
+        head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
+        require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
+    prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
+                              args.category, not args.raw)
+    vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
+    return target, head, prompts, vocab
 
 
 def config_from_args(args: argparse.Namespace):

@@ -28,23 +28,10 @@ def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool
     """(runners by arm key, prompts' ids, engine description, servers to shut down, more meta)."""
     from fastmtp_sglang.benchmark.concurrency import closed_loop
     from fastmtp_sglang.benchmark.sweep import arm_key, build_engines
-    from fastmtp_sglang.core.draft_dir import load_head
-    from fastmtp_sglang.core.target import load_target, require_fits
+    from fastmtp_sglang.cli.bench import load_in_process
     from fastmtp_sglang.serving.app import ReferenceServer
-    from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
-    if not args.target:
-        raise FastMTPError("--engine reference needs --target")
-    target = load_target(args.target, dtype=args.dtype)
-    head = None
-    if max(cfg.steps) > 0 or cfg.auto_steps:
-        if not args.draft:
-            raise FastMTPError("K > 0 needs --draft")
-        head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
-        require_fits(head.draft_config, target.config, where=f"draft {args.draft}")
-    prompts = load_prompt_ids(target.tokenizer, args.prompts, args.limit_per_category,
-                              args.category, not args.raw)
-    vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, args.vocab_extra, args.draft)
+    target, head, prompts, vocab = load_in_process(args, cfg)
     engines = build_engines(target, head, cfg, draft_vocab=vocab, progress=progress,
                             cost_batches=tuple(lv for lv in levels if lv > 1))
     servers, runners = [], {}

@@ -487,51 +487,43 @@ class EngineWorker:
             self._answer(job, res, len(b) + len(finished))
         return b
 
-    def _isolate(self, jobs: list[_Job], exc: Exception) -> None:
+    def _isolate(self, jobs: list[_Job], exc: BaseException) -> None:
+        """The engine failed on ``jobs`` (run continuously): fail the one, or re-run them apart."""
         live = [job for job in jobs if not job.closed]
-        if not live:
-            return
-        if len(jobs) > 1:
-            self.stats.add(retried_batches=1)
-            print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
-                  f"({type(exc).__name__}: {exc}); re-running its {len(live)} open request(s) "
-                  "in halves to find the one that caused it", file=sys.stderr, flush=True)
-            half = (len(live) + 1) // 2
-            for part in (live[:half], live[half:]):
-                if part:
-                    self._run_isolating(part)
-        else:
-            traceback.print_exception(exc, file=sys.stderr)
-            self._fail(live[0], HTTPStatus.INTERNAL_SERVER_ERROR,
-                       f"the engine failed on this request: {type(exc).__name__}: {exc}")
+        if len(jobs) == 1:
+            for job in live:
+                self._fail_engine(job, exc)
+        elif live:
+            self._halves(jobs, live, exc)
 
     def _fail(self, job: _Job, status: int, message: str) -> None:
         if self._finish(job, "error", (int(status), message)) and not job.internal:
             self.stats.add(failed=1)
 
-    def _run_isolating(self, jobs: list[_Job]) -> None:
-        """Run a batch; when the engine fails on it, re-run it in halves so that only the
-        request that fails alone gets the error."""
-        try:
-            self._run_batch(jobs)
-            return
-        except _EngineFailure as exc:
-            cause = exc.__cause__
-            live = [job for job in jobs if not job.closed]
-            if len(jobs) == 1:
-                traceback.print_exception(cause, file=sys.stderr)
-                for job in live:
-                    self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR,
-                               f"the engine failed on this request: {type(cause).__name__}: {cause}")
-                return
+    def _fail_engine(self, job: _Job, exc: BaseException) -> None:
+        traceback.print_exception(exc, file=sys.stderr)
+        self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR,
+                   f"the engine failed on this request: {type(exc).__name__}: {exc}")
+
+    def _halves(self, jobs: list[_Job], live: list[_Job], exc: BaseException) -> None:
         self.stats.add(retried_batches=1)
         print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
-              f"({type(cause).__name__}: {cause}); re-running its {len(live)} open request(s) "
+              f"({type(exc).__name__}: {exc}); re-running its {len(live)} open request(s) "
               "in halves to find the one that caused it", file=sys.stderr, flush=True)
         half = (len(live) + 1) // 2
         for part in (live[:half], live[half:]):
             if part:
                 self._run_isolating(part)
+
+    def _run_isolating(self, jobs: list[_Job]) -> None:
+        """Run a batch with ``generate``; when the engine fails on it, re-run it in halves so
+        that only the request that fails alone gets the error."""
+        try:
+            self._run_batch(jobs)
+            return
+        except _EngineFailure as exc:
+            cause = exc.__cause__
+        self._isolate(jobs, cause)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         """One engine.generate over ``jobs`` (isolation re-runs); raises _EngineFailure when it
