@@ -343,9 +343,9 @@ def test_engine_failure_fails_the_batch_with_500_then_recovers(world, local_targ
     real = engine.start
     calls = []
 
-    def flaky(reqs, keys, on_tokens=None):
+    def flaky(reqs, keys, on_tokens=None):  # fails in the batch, and again when run alone
         calls.append(len(reqs))
-        if len(calls) == 1:
+        if len(calls) <= 2:
             raise RuntimeError("boom")
         return real(reqs, keys, on_tokens)
 
@@ -871,3 +871,54 @@ def test_serve_steps_auto_reference_and_sglang_flags(world, tmp_path, capsys):
     server_args = sgl.prepare_server_args(argv[3:])
     server_args.resolve_once()
     assert server_args.speculative_adaptive is True and server_args.speculative_num_steps == 3
+
+
+def test_rows_done_before_a_fault_keep_their_answers(world, local_target):
+    """A row that finished at its prefill is returned by a step that runs no cycle (so a cycle
+    that raises cannot lose it); a stream whose sent output is already complete is answered
+    from it after a fault, never extended; a join that fails is re-run apart and the joiner,
+    innocent, gets its exact answer while the running batch goes on."""
+    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+    from fastmtp_sglang.decode.sampling import SamplingParams
+    from fastmtp_sglang.serving.app import ReferenceServer
+    from fastmtp_sglang.serving.protocol import GenerateInput
+    from fastmtp_sglang.serving.worker import EngineWorker, _Job
+
+    _, _, tok, model = world
+    eng = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
+    b = eng.start([Request([5, 6], SamplingParams(max_new_tokens=1)),
+                   Request([5, 6, 7], SamplingParams(max_new_tokens=8))], ["one", "long"])
+    done = eng.step(b)
+    assert [k for k, _ in done] == ["one"] and len(b.rows[0].out) == 1  # no cycle ran yet
+
+    events = []
+    worker = EngineWorker(eng)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    job = _Job(GenerateInput(None, [5, 6], params, True, "r1"), [5, 6], time.time(),
+               lambda kind, payload: events.append((kind, payload)))
+    job.streamed_ids = [11, 12, 13]  # all three tokens were sent before the fault
+    assert worker._needs_engine(job) is False
+    [(kind, out)] = events
+    assert kind == "done" and out["output_ids"] == [11, 12, 13]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+    ids = tok(PROMPTS[0])["input_ids"]
+    eng2 = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
+    real_join, calls = eng2.join, []
+
+    def flaky_join(b, reqs, keys, on_tokens=None):
+        calls.append(len(reqs))
+        if len(calls) == 1:
+            raise RuntimeError("join failed")
+        return real_join(b, reqs, keys, on_tokens)
+
+    eng2.join = flaky_join
+    eng2._target = lambda *a, _t=eng2._target, **k: (time.sleep(0.05), _t(*a, **k))[1]
+    with ReferenceServer(eng2, "127.0.0.1", 0, max_batch=4) as srv:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.generate, srv.url, input_ids=ids, sampling_params=GREEDY)
+            time.sleep(0.25)  # the first is decoding (16 steps of >= 50 ms): the second joins it
+            second = pool.submit(client.generate, srv.url, input_ids=[5, 6], sampling_params=GREEDY)
+            assert first.result()["output_ids"] == greedy_oracle(model, ids)
+            assert second.result()["output_ids"] == greedy_oracle(model, [5, 6])
+        assert calls and srv.server_info()["requests_failed"] == 0

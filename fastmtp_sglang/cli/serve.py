@@ -155,13 +155,14 @@ def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
           + f", {str(eng.model.dtype).replace('torch.', '')} on {args.device}, context {eng.max_context}, "
           f"max batch {server.max_batch}", flush=True)
     print(f"fastmtp serve: listening on {server.url} (Ctrl-C or SIGTERM to stop)", flush=True)
-    stopped = server.serve_forever()
+    stopped = server.serve_forever(exit_if_stuck=True)
     info = server.server_info()
     print(f"fastmtp serve: stopped: {info['requests_served']} served, {info['requests_failed']} "
           f"refused or failed, {info['requests_aborted']} aborted", flush=True)
-    if not stopped:
-        print("fastmtp serve: the engine worker is still busy; exiting without waiting for it",
-              file=sys.stderr, flush=True)
+    if not stopped:  # the HTTP side died: say so with the exit code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # Every client has its answer and the log is flushed: skip the interpreter's teardown of
     # torch and transformers (2-7 s on a busy 2-core machine, measured) and, if the engine is
     # still inside a long forward pass, that too (a daemon thread in torch at teardown is what

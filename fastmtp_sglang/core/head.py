@@ -178,12 +178,12 @@ class HeadKVCache:
         self.k = self.k[rows]
         self.v = self.v[rows]
 
-    def extend(self, other: "HeadKVCache") -> None:
-        """Append another cache's rows (requests joining a running batch)."""
+    def concat(self, other: "HeadKVCache") -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of this cache's rows followed by another's (requests joining a running
+        batch); neither cache is changed."""
         if other.max_len != self.max_len:
             raise ValueError(f"head caches of {self.max_len} and {other.max_len} positions")
-        self.k = torch.cat([self.k, other.k])
-        self.v = torch.cat([self.v, other.v])
+        return torch.cat([self.k, other.k]), torch.cat([self.v, other.v])
 
 
 class Attention(nn.Module):

@@ -36,7 +36,8 @@ class Row:
         self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
         self.t_decode = 0.0  # perf_counter when its decoding began (after its prefill)
         # one generator per request: a seeded request samples the same tokens whatever batch it
-        # shares (rows without a seed draw theirs from torch's global generator)
+        # shares, at a fixed K (auto, or a batch near the context limit, can change the cycle's
+        # K and with it the draws); rows without a seed draw theirs from torch's global generator
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(req.params.seed if req.params.seed is not None
                              else int(torch.randint(0, 2**62, (1,)).item()))
@@ -100,49 +101,64 @@ class Batch:
         return [r for r in self.rows if r.finish is not None]
 
     def remove(self, gone: list[Row]) -> None:
-        """Drop these rows from every batched tensor and re-index the rest."""
+        """Drop these rows from every batched tensor and re-index the rest (all or nothing:
+        when a select raises, the batch is as it was)."""
         if not gone:
             return
         ids = {id(r) for r in gone}
         live = [r for r in self.rows if id(r) not in ids]
-        sel = torch.tensor([r.index for r in live], dtype=torch.long, device=self.engine.device)
-        self.rows = live
-        self._index()
         if not live:
+            self.rows = []
+            self._index()
             self.cache = self.valid = self.pending = self.pos = None
             self.dcache = self.g = self.tidx = self.extra = None
             self.deferred = []
             return
-        self.cache.batch_select_indices(sel)
-        self.valid, self.pending, self.pos = self.valid[sel], self.pending[sel], self.pos[sel]
+        sel = torch.tensor([r.index for r in live], dtype=torch.long, device=self.engine.device)
+        layers = [(l.keys[sel], l.values[sel]) for l in _layers(self.cache)]
+        new = {"valid": self.valid[sel], "pending": self.pending[sel], "pos": self.pos[sel]}
         if self.use_head:
-            self.dcache.select(sel)
-            self.g = self.g[sel]
-            self.deferred = [tuple(x[sel] for x in d) for d in self.deferred]
+            dk, dv = self.dcache.k[sel], self.dcache.v[sel]
+            new.update(g=self.g[sel], deferred=[tuple(x[sel] for x in d) for d in self.deferred])
             if self.tidx is not None:
-                self.tidx = self.tidx[sel]
-                self.extra = self.extra[sel] if self.extra is not None else None
+                new.update(tidx=self.tidx[sel],
+                           extra=self.extra[sel] if self.extra is not None else None)
+        # nothing below allocates: the batch changes at once
+        for l, (k, v) in zip(_layers(self.cache), layers):
+            l.keys, l.values = k, v
+        if self.use_head:
+            self.dcache.k, self.dcache.v = dk, dv
+        self.__dict__.update(new)
+        self.rows = live
+        self._index()
 
     def merge(self, other: "Batch") -> None:
-        """Append the rows of a freshly prefilled batch (continuous batching). The head's
-        deferred draft extends (auto's K=0 cycles) must have been caught up first."""
+        """Append the rows of a freshly prefilled batch (continuous batching; all or nothing).
+        The head's deferred draft extends (auto's K=0 cycles) must have been caught up first."""
         if self.deferred:
             raise RuntimeError("merge after the deferred draft extends were caught up")
         if not self.rows:
             self.__dict__.update({k: v for k, v in other.__dict__.items() if k != "zero_run"})
             return
+        cache, valid = merge_slot_caches(self.cache, self.valid, other.cache, other.valid)
+        new = {"pending": torch.cat([self.pending, other.pending]),
+               "pos": torch.cat([self.pos, other.pos])}
+        if self.use_head:
+            dk, dv = self.dcache.concat(other.dcache)
+            new["g"] = torch.cat([self.g, other.g])
+            if self.tidx is not None:
+                new["tidx"] = torch.cat([self.tidx, other.tidx])
+                if self.extra is not None:
+                    new["extra"] = _cat_padded(self.extra, other.extra, -1)
+        # nothing below allocates: the batch changes at once
+        for l, (k, v) in zip(_layers(self.cache), cache):
+            l.keys, l.values = k, v
+        self.valid = valid
+        if self.use_head:
+            self.dcache.k, self.dcache.v = dk, dv
+        self.__dict__.update(new)
         self.rows = self.rows + other.rows
         self._index()
-        self.cache, self.valid = merge_slot_caches(self.cache, self.valid, other.cache, other.valid)
-        self.pending = torch.cat([self.pending, other.pending])
-        self.pos = torch.cat([self.pos, other.pos])
-        if self.use_head:
-            self.dcache.extend(other.dcache)
-            self.g = torch.cat([self.g, other.g])
-            if self.tidx is not None:
-                self.tidx = torch.cat([self.tidx, other.tidx])
-                if self.extra is not None:
-                    self.extra = _cat_padded(self.extra, other.extra, -1)
 
     def repack(self) -> None:
         """Move every row's live slots to the front when the holes exceed REPACK_SLACK."""
@@ -174,17 +190,19 @@ def _layers(cache) -> list:
 
 
 def merge_slot_caches(ca, va: torch.Tensor, cb, vb: torch.Tensor):
-    """Two slot caches (DynamicCache, valid mask [n, S]) -> one over both batches' rows: the
-    shorter one is padded with hidden slots, then the rows are concatenated. ``ca`` is reused."""
+    """Two slot caches (DynamicCache, valid mask [n, S]) -> ([(keys, values)] per layer, valid)
+    over both batches' rows: the narrower is padded with hidden slots, then the rows are
+    concatenated. Neither cache is changed."""
     S = max(va.shape[1], vb.shape[1])
-    for la, lb in zip(_layers(ca), _layers(cb)):
-        def pad(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(x, (0, 0, 0, S - x.shape[-2]))
-        la.keys = torch.cat([pad(la.keys), pad(lb.keys)])
-        la.values = torch.cat([pad(la.values), pad(lb.values)])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 0, 0, S - x.shape[-2]))
+
+    layers = [(torch.cat([pad(la.keys), pad(lb.keys)]), torch.cat([pad(la.values), pad(lb.values)]))
+              for la, lb in zip(_layers(ca), _layers(cb))]
     valid = torch.cat([torch.nn.functional.pad(va, (0, S - va.shape[1]), value=False),
                        torch.nn.functional.pad(vb, (0, S - vb.shape[1]), value=False)])
-    return ca, valid
+    return layers, valid
 
 
 def repack_slot_cache(cache, valid: torch.Tensor, width: int):
@@ -195,9 +213,12 @@ def repack_slot_cache(cache, valid: torch.Tensor, width: int):
     # stable order: live slots first, each row's in their original order
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :width]     # [n, width]
     new_valid = valid.gather(1, order)
-    for layer in _layers(cache):
+    layers = _layers(cache)
+    moved = []
+    for layer in layers:  # everything first: a failure leaves the cache as it was
         h, d = layer.keys.shape[1], layer.keys.shape[-1]
         idx = order[:, None, :, None].expand(n, h, width, d)
-        layer.keys = layer.keys.gather(2, idx)
-        layer.values = layer.values.gather(2, idx)
+        moved.append((layer.keys.gather(2, idx), layer.values.gather(2, idx)))
+    for layer, (k, v) in zip(layers, moved):
+        layer.keys, layer.values = k, v
     return cache, new_valid

@@ -151,10 +151,11 @@ class ReferenceEngine:
     @torch.inference_mode()
     def step(self, b: Batch, on_tokens=None) -> list[tuple[Any, Result]]:
         """One verify cycle of every live row of ``b``; returns ``(key, Result)`` of the rows
-        that finished (they leave ``b``), including rows that finished before it (at their
-        prefill, or aborted)."""
+        that finished (they leave ``b``). Rows that finished before it (at their prefill) are
+        returned first, by a call that runs no cycle. When it raises, every row is still in
+        ``b``: those with ``finish`` set are done (``result(row)``), the others are not."""
         done = self._collect(b)
-        if not len(b):
+        if done or not len(b):  # answer those first: a cycle that raises must not lose them
             return done
         t = time.perf_counter()
         # near the context limit a row may verify only what fits (the rest of its drafts are
@@ -262,8 +263,8 @@ class ReferenceEngine:
         drafts[:, 0] = d
         qs.append(q)
         for k in range(2, K + 1):
-            g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], (b.pos + k - 2)[:, None],
-                             b.dcache, return_logits=False)
+            pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
+            g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache, return_logits=False)
             b.g = g[:, 0]
             d, q = b.draft_pick(b.g, b.active)
             drafts[:, k - 1] = d
@@ -301,7 +302,9 @@ class ReferenceEngine:
         A row accepts at most ``room`` drafts (what still fits its context)."""
         dev, n = self.device, len(b)
         vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
-        vpos = b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]
+        # slots past a row's context are verified (one forward for the batch) but never
+        # accepted: their positions are clamped into the context (rotary tables end there)
+        vpos = (b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]).clamp(max=self.max_context - 1)
         b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
         vh = self._target(vin, vpos, b.valid.long(), b.cache)                         # [n, Kc+1, H]
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
@@ -396,19 +399,21 @@ class ReferenceEngine:
         gone = b.finished()
         if not gone:
             return []
+        results = [(r.key, self.result(r)) for r in gone]
+        b.remove(gone)
+        return results
+
+    def result(self, r: Row) -> Result:
+        """A finished row's Result."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-        results = []
-        for r in gone:
-            r.metrics.peak_memory_bytes = peak
-            r.metrics.completion_tokens = len(r.out)
-            text = self._decode(r.out) if self.target.tokenizer is not None else None
-            if text is not None and r.finish.get("type") == "stop" and "matched_str" in r.finish:
-                text = text[: text.find(r.finish["matched_str"])]
-            results.append((r.key, Result(r.out, text, r.finish, r.metrics, r.req.rid)))
-        b.remove(gone)
-        return results
+        r.metrics.peak_memory_bytes = peak
+        r.metrics.completion_tokens = len(r.out)
+        text = self._decode(r.out) if self.target.tokenizer is not None else None
+        if text is not None and r.finish.get("type") == "stop" and "matched_str" in r.finish:
+            text = text[: text.find(r.finish["matched_str"])]
+        return Result(r.out, text, r.finish, r.metrics, r.req.rid)
 
     def _propose(self, rows: list[Row], active: torch.Tensor, K: int, pending: torch.Tensor
                  ) -> tuple[torch.Tensor, int]:
@@ -435,6 +440,9 @@ class ReferenceEngine:
         if r.finish is not None:
             return
         p = r.req.params
+        if len(r.out) >= p.max_new_tokens:  # a budget already spent (an abort sets it to 0)
+            r.finish = {"type": "length", "length": len(r.out)}
+            return
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         start = len(r.out)
         for tok in new:

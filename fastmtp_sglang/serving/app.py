@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import sys
@@ -101,13 +102,15 @@ class ReferenceServer(EngineWorker):
             time.sleep(0.01)
         return self
 
-    def serve_forever(self) -> bool:
+    def serve_forever(self, exit_if_stuck: bool = False) -> bool:
         """Serve until SIGTERM / SIGINT (or ``request_shutdown``), then shut down gracefully.
 
         The engine loop runs on the calling thread (the main thread, under ``fastmtp serve``),
         where PyTorch's CPU kernels run at full speed; HTTP runs on a thread of its own, as
-        SGLang splits its HTTP side from its scheduler. Returns True when the engine stopped,
-        False when it was still busy ``STOP_WORKER_S`` after the last request was answered."""
+        SGLang splits its HTTP side from its scheduler. Returns True after a clean stop, False
+        when the HTTP side died on its own. With ``exit_if_stuck``, a loop still inside the
+        engine ``STOP_WORKER_S`` after the last request was answered ends the process (exit 0;
+        a forward pass cannot be interrupted)."""
         self._uv = _make_uvicorn(self)
         handled = (signal.SIGINT, signal.SIGTERM)
         on_main = threading.current_thread() is threading.main_thread()
@@ -115,10 +118,21 @@ class ReferenceServer(EngineWorker):
         self._http_thread = threading.Thread(
             target=lambda: asyncio.run(self._uv.serve(sockets=[self._sock])),
             name="fastmtp-http", daemon=True)
+        engine_done = threading.Event()
+        http_died: list[bool] = []
 
         def close_after_http() -> None:  # then _work below sees _stop and returns
             self._http_thread.join()
+            if not self._uv.should_exit:
+                http_died.append(True)
+                print("fastmtp serve: the HTTP server stopped on its own; shutting down",
+                      file=sys.stderr, flush=True)
             self._close()
+            if exit_if_stuck and not engine_done.wait(STOP_WORKER_S):
+                print("fastmtp serve: the engine is still inside a forward pass; exiting without "
+                      "waiting for it", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(0)
 
         closer = threading.Thread(target=close_after_http, name="fastmtp-close", daemon=True)
         self._http_thread.start()
@@ -126,10 +140,11 @@ class ReferenceServer(EngineWorker):
         try:
             self._work()
         finally:
+            engine_done.set()
             for s, handler in original.items():
                 signal.signal(s, handler)
         closer.join(STOP_WORKER_S)
-        return not closer.is_alive()
+        return not http_died
 
     def drive(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on a helper thread while this thread runs the engine loop (a server

@@ -112,8 +112,8 @@ class ServerStats:
         self.aborted = 0             # ended by /abort_request, a disconnect or shutdown
         self.busy = 0                # turned away with 503 (queue full, shutting down)
         self.retried_batches = 0     # batches the engine failed on, re-run in halves
-        self.batches = 0
-        self.largest_batch = 0
+        self.batches = 0             # prefills that started or joined a running batch
+        self.largest_batch = 0       # most rows the running batch held
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.generated_tokens = 0    # every token the engine emitted, aborted and re-run ones too
@@ -182,10 +182,11 @@ class EngineWorker:
 
     Parameters
     ----------
-    engine : ReferenceEngine (anything with ``generate``, ``validate``, ``max_context``,
-        ``steps`` and ``target.tokenizer``)
+    engine : ReferenceEngine (anything with ``start`` / ``join`` / ``step`` / ``result`` for
+        the running batch, ``generate`` for isolation re-runs, ``validate``, ``max_context``,
+        ``steps``, ``eos_ids`` and ``target.tokenizer``)
     model_path, draft_path : reported by /server_info and /get_model_info
-    max_batch : most requests per ``generate`` call, >= 1
+    max_batch : most rows of the running batch, >= 1
     batch_window_s : after the first request of a batch, how long to wait for more; 0 = run at once
     log_requests : print one line per finished request to stderr
     max_queue : requests that may wait for a batch (counted from the first byte of their body);
@@ -225,7 +226,7 @@ class EngineWorker:
         self._admitted = 0                  # queue slots held
         self._draining = False
         self._stop = False
-        self._batch_s = 1.0                 # moving average of a batch's duration (Retry-After)
+        self._batch_s = 1.0                 # moving average of a request's latency (Retry-After)
         self._worker = threading.Thread(target=self._work, name="fastmtp-engine", daemon=True)
         # bodies are parsed and prompts tokenized here: one thread, so the tokenizer is never
         # shared, and never the engine's thread, so a huge prompt does not stall generation
@@ -277,7 +278,8 @@ class EngineWorker:
 
     # -- admission and submission ---------------------------------------------------------------
     def retry_after_s(self) -> int:
-        """Seconds a turned-away client should wait: the batches ahead of it, from recent ones."""
+        """Seconds a turned-away client should wait: a recent request's latency for every
+        ``max_batch`` requests ahead of it."""
         with self._cond:
             ahead = len(self._waiting) // self.max_batch + 1
             return int(min(60, max(1, math.ceil(self._batch_s * ahead))))
@@ -453,9 +455,12 @@ class EngineWorker:
 
     def _join(self, b, jobs: list[_Job]):
         """Prefill ``jobs`` into the running batch ``b`` (or a new one); returns the batch. When
-        the engine fails on their prefill, they are run apart (``_run_isolating``) and ``b``
-        goes on untouched."""
-        reqs = [self._new_run(job) for job in jobs]
+        the engine fails there, the joiners are run apart (``_run_isolating``: each fails only
+        if it fails alone) and ``b`` goes on (joining changes it all or nothing)."""
+        jobs = [job for job in jobs if self._needs_engine(job)]
+        if not jobs:
+            return b
+        reqs = [job.req for job in jobs]
         failure = None
         try:
             if b is None or not len(b):
@@ -465,15 +470,15 @@ class EngineWorker:
         except Exception as exc:
             failure = exc
         if failure is not None:  # (outside the except block: re-runs raise their own)
-            self._isolate(jobs, failure)
+            self._suspects(jobs, failure)
             return b
         self.stats.add_batch(len(b))
         return b
 
     def _cycle(self, b):
         """One verify cycle of the running batch; answers the rows that finished. When the
-        engine fails, every open request of the batch is re-run apart (``_run_isolating``),
-        each resuming from what its stream already sent; returns None then."""
+        engine fails, rows it had finished are answered and every other open request of the
+        batch is re-run apart, each stream resuming after what it had sent; returns None then."""
         try:
             finished = self.engine.step(b, self._on_tokens)
         except Exception as exc:
@@ -481,14 +486,37 @@ class EngineWorker:
         else:
             failure = None
         if failure is not None:
-            self._isolate([r.key for r in b.rows], failure)
+            open_jobs = []
+            for r in b.rows:
+                if r.finish is not None:  # done before the fault: its answer stands
+                    self._answer_safely(r.key, lambda r=r: self.engine.result(r), len(b))
+                else:
+                    open_jobs.append(r.key)
+            self._suspects(open_jobs, failure)
             return None
         for job, res in finished:
-            self._answer(job, res, len(b) + len(finished))
+            self._answer_safely(job, lambda res=res: res, len(b) + len(finished))
         return b
 
+    def _answer_safely(self, job: _Job, result, batch: int) -> None:
+        """Answer one job from ``result()``; a failure there fails this job alone."""
+        try:
+            self._answer(job, result(), batch)
+        except Exception as exc:  # a bug in building one answer: the others still get theirs
+            traceback.print_exc(file=sys.stderr)
+            self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _suspects(self, jobs: list[_Job], exc: BaseException) -> None:
+        """The engine failed on a running batch holding ``jobs``: re-run them apart (one alone,
+        several in halves); only a request that fails alone gets the error."""
+        live = [job for job in jobs if not job.closed]
+        if len(live) > 1:
+            self._halves(jobs, live, exc)
+        elif live:
+            self._run_isolating(live)
+
     def _isolate(self, jobs: list[_Job], exc: BaseException) -> None:
-        """The engine failed on ``jobs`` (run continuously): fail the one, or re-run them apart."""
+        """``generate`` failed on ``jobs`` (an isolation run): fail the one, or split again."""
         live = [job for job in jobs if not job.closed]
         if len(jobs) == 1:
             for job in live:
@@ -528,7 +556,10 @@ class EngineWorker:
     def _run_batch(self, jobs: list[_Job]) -> None:
         """One engine.generate over ``jobs`` (isolation re-runs); raises _EngineFailure when it
         raises."""
-        reqs = [self._new_run(job) for job in jobs]
+        jobs = [job for job in jobs if self._needs_engine(job)]
+        if not jobs:
+            return
+        reqs = [job.req for job in jobs]
         self.stats.add_batch(len(jobs))
         try:
             results = self.engine.generate(reqs, on_tokens=lambda i, new: self._on_tokens(jobs[i], new))
@@ -536,6 +567,37 @@ class EngineWorker:
             raise _EngineFailure() from exc
         for job, res in zip(jobs, results):
             self._answer(job, res, len(jobs))
+
+    def _needs_engine(self, job: _Job) -> bool:
+        """Prepare a job's next run (``job.req``); False when it needs none: the output its
+        stream already sent is complete (a re-run after a fault), and it was answered here."""
+        self._new_run(job)
+        done = self._finished_prefix(job)
+        if done is None:
+            return True
+        from fastmtp_sglang.decode.engine import Result
+        from fastmtp_sglang.decode.metrics import RequestMetrics
+
+        ids = job.prefix
+        self._answer_safely(job, lambda: Result([], self._decode(ids), done, RequestMetrics(
+            prompt_tokens=len(job.input_ids), steps=self.engine.steps), job.inp.rid), 1)
+        return False
+
+    def _finished_prefix(self, job: _Job) -> dict[str, Any] | None:
+        """The finish reason of what a resumed stream has already sent, or None if it goes on."""
+        ids, p = job.prefix, job.inp.params
+        if not ids:
+            return None
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.eos_ids))
+        if ids[-1] in stop_ids:
+            return {"type": "stop", "matched": ids[-1]}
+        text = self._decode(ids)
+        hit = [s for s in (p.stop or []) if s in text]
+        if hit:
+            return {"type": "stop", "matched": hit[0], "matched_str": hit[0]}
+        if len(ids) >= p.max_new_tokens or len(job.input_ids) + len(ids) >= self.engine.max_context:
+            return {"type": "length", "length": len(ids)}
+        return None
 
     def _new_run(self, job: _Job) -> Request:
         """The engine request of a job's next run. A stream that has already sent tokens (its
@@ -546,12 +608,9 @@ class EngineWorker:
             job.prefix = list(job.streamed_ids) if job.inp.stream else []
             job.out_ids = list(job.prefix)
             if job.prefix:
-                params.max_new_tokens = max(params.max_new_tokens - len(job.prefix), 0)
-            ids = job.input_ids + job.prefix
-            if len(ids) + 1 > self.engine.max_context:  # nothing more fits: end where it was
-                ids, params.max_new_tokens = ids[-(self.engine.max_context - 1):], 0
-            job.req = Request(ids, params, job.inp.rid)
-            if job.closed or not params.max_new_tokens:  # aborted, or done: stop at once
+                params.max_new_tokens = max(params.max_new_tokens - len(job.prefix), 1)
+            job.req = Request(job.input_ids + job.prefix, params, job.inp.rid)
+            if job.closed:  # aborted while we were getting here: stop at once
                 job.req.params.max_new_tokens = 0
         return job.req
 
@@ -562,7 +621,10 @@ class EngineWorker:
             if stop:  # cut at the stop string the resumed part matched
                 cut = text.find(stop, max(len(self._decode(job.prefix)) - len(stop) + 1, 0))
                 text = text[:cut] if cut >= 0 else text
-            res = dataclasses.replace(res, output_ids=ids, text=text)
+            finish = dict(res.finish_reason)
+            if finish.get("type") == "length":
+                finish["length"] = len(ids)
+            res = dataclasses.replace(res, output_ids=ids, text=text, finish_reason=finish)
         out = self._response(job, res)
         if not self._finish(job, "done", out) or job.internal:
             return
