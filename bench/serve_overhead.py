@@ -3,8 +3,12 @@ same greedy requests one at a time, interleaved per prompt and repeat:
 
 - ``in-process``: ReferenceEngine.generate in this process (the baseline);
 - ``fastmtp serve``: the CLI server in its own process, engine loop on its main thread;
-- ``worker thread``: ReferenceServer.start() in this process, the engine loop on a worker
-  thread (what the server did before continuous batching moved it to the main thread).
+- ``worker thread``: ReferenceServer.start() in a process of its own, the engine loop on a
+  worker thread (what the server did before continuous batching moved it to the main thread).
+
+Each way runs in a process where only one thread uses PyTorch: a process in which two threads
+both ran OpenMP regions was measured 15-18% slower for either of them (each team's idle threads
+spin while the other team works, on 2 cores).
 
 Decode tokens/s is the engine's own (meta_info decode_tokens_per_s: decode time only, the same
 clock as in-process), so HTTP and tokenization are not in it; end-to-end tokens/s is reported
@@ -36,10 +40,36 @@ from fastmtp_sglang.decode.costs import cpu_description
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.serving import client
-from fastmtp_sglang.serving.app import ReferenceServer
 from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# the worker-thread server in a process of its own: argv target, draft, steps, dtype
+THREADED = """
+import sys, time
+from fastmtp_sglang.serving.reference import load_reference_server
+t, d, k, dt = sys.argv[1:5]
+srv = load_reference_server(t, d, int(k), host="127.0.0.1", port=0, dtype=dt)
+srv.start()
+print("listening on", srv.url, flush=True)
+time.sleep(10 ** 6)
+"""
+
+
+def _start(cmd: list[str], log: Path, procs: list) -> str:
+    """Start a server process, return its URL once it answers /health."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    while True:
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+        if m:
+            client.wait_for_health(m.group(1), timeout=120, process=proc)
+            return m.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[:4]} did not start:\n{log.read_text()}")
+        time.sleep(0.2)
 
 
 def main(argv=None) -> int:
@@ -68,23 +98,14 @@ def main(argv=None) -> int:
                                                    a.limit_per_category, None, True)]
     greedy = {"temperature": 0.0, "max_new_tokens": a.max_new_tokens}
 
-    log = Path(a.out) / "serve.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference", "--target",
-           a.target, "--draft", a.draft, "--steps", str(a.steps), "--dtype", dtype, "--port", "0"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    serve = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference", "--target",
+             a.target, "--draft", a.draft, "--steps", str(a.steps), "--dtype", dtype, "--port", "0"]
+    threaded = [sys.executable, "-c", THREADED, a.target, a.draft, str(a.steps), dtype]
+    procs = []
     try:
-        url = None
-        while url is None:
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
-            if m:
-                url = m.group(1)
-            elif proc.poll() is not None:
-                raise SystemExit(f"fastmtp serve did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-        client.wait_for_health(url, timeout=120, process=proc)
-        thread_srv = ReferenceServer(engine, "127.0.0.1", 0).start()
+        url = _start(serve, Path(a.out) / "serve.log", procs)
+        thread_url = _start(threaded, Path(a.out) / "threaded.log", procs)
 
         def in_process(ids):
             r = engine.generate([Request(list(ids), SamplingParams(**greedy))])[0]
@@ -100,7 +121,7 @@ def main(argv=None) -> int:
             return run
 
         ways = {"in-process": in_process, "fastmtp serve (main thread)": served(url),
-                "worker thread": served(thread_srv.url)}
+                "worker thread": served(thread_url)}
         for fn in ways.values():  # warm-up: every shape once
             fn(prompts[0])
         rows = {w: [] for w in ways}
@@ -118,10 +139,10 @@ def main(argv=None) -> int:
                     outs[w] = toks
                 for w in ways:
                     same[w] += outs[w] == outs["in-process"]
-        thread_srv.shutdown()
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=60)
 
     def per_repeat(w, k):
         return [statistics.mean(x[k] for x in rows[w] if x[0] == r) for r in range(a.repeats)]
