@@ -29,18 +29,18 @@ def test_expected_tokens_and_costs():
 
 
 def test_best_k_follows_costs_and_acceptance():
-    auto = AutoK(FLAT, 5)
+    auto = AutoK(FLAT, 5, calibrate=False)
     assert auto.best([[0.9] * 5]) == 5            # cheap verification, a good drafter: draft all
     assert auto.best([[0.02] * 5]) == 0           # nothing is ever accepted: plain decoding
-    assert AutoK(STEEP, 5).best([[0.6] * 5]) == 0  # expensive verification: 0.6 does not pay
-    mid = AutoK(FLAT, 5).best([[0.6, 0.3, 0.1, 0.1, 0.1]])
+    assert AutoK(STEEP, 5, calibrate=False).best([[0.6] * 5]) == 0  # expensive verification: 0.6 does not pay
+    mid = AutoK(FLAT, 5, calibrate=False).best([[0.6, 0.3, 0.1, 0.1, 0.1]])
     assert 1 <= mid <= 2                          # acceptance falls off: a short chain
     # a batch shares one K: it maximises the rows' summed tokens per ms
-    assert AutoK(FLAT, 5).best([[0.9] * 5, [0.0] * 5]) >= 1
+    assert AutoK(FLAT, 5, calibrate=False).best([[0.9] * 5, [0.0] * 5]) >= 1
 
 
 def test_update_observes_positions_up_to_the_first_rejection():
-    auto = AutoK(FLAT, 4, prior=0.5, alpha=0.5, shared_alpha=0.0)
+    auto = AutoK(FLAT, 4, prior=0.5, alpha=0.5, shared_alpha=0.0, calibrate=False)
     est = auto.new_estimate()
     auto.update(est, 4, 1)  # d1 accepted, d2 rejected, d3 and d4 not observed
     assert est == [0.75, 0.25, 0.5, 0.5]
@@ -53,7 +53,7 @@ def test_update_observes_positions_up_to_the_first_rejection():
 
 
 def test_new_requests_start_from_what_earlier_requests_measured():
-    auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1)
+    auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1, calibrate=False)
     for _ in range(200):  # requests whose head is never right
         auto.update(auto.new_estimate(), 3, 0)
     fresh = auto.new_estimate()
@@ -63,11 +63,11 @@ def test_new_requests_start_from_what_earlier_requests_measured():
 
 
 def test_probe_after_a_run_of_plain_cycles():
-    auto = AutoK(STEEP, 3, probe_every=4)
+    auto = AutoK(STEEP, 3, probe_every=4, calibrate=False)
     assert auto.choose([[0.1] * 3], zero_run=3) == 0
     assert auto.choose([[0.1] * 3], zero_run=4) == 1
     with pytest.raises(ValueError):
-        AutoK(FLAT, 0)
+        AutoK(FLAT, 0, calibrate=False)
 
 
 def second_token_marginal(t, prompt: list[int], v: int) -> torch.Tensor:
@@ -106,7 +106,7 @@ def test_auto_perfect_drafter_drafts_kmax_and_switches_back_from_zero():
     K=0 cycles (a pessimistic prior) the head catches up on the skipped positions and is still
     right, so the output is the target's and tau rises."""
     t, head = successor_world()
-    auto = AutoK(FLAT, 4, prior=0.0, probe_every=2)  # starts at K=0, probes, then learns
+    auto = AutoK(FLAT, 4, prior=0.0, probe_every=2, calibrate=False)  # starts at K=0, probes, then learns
     r = ReferenceEngine(t, head, 4, auto=auto).generate(
         [Request([5], SamplingParams(max_new_tokens=40))])[0]
     assert r.output_ids == [(6 + i) % V for i in range(40)]
@@ -117,7 +117,7 @@ def test_auto_perfect_drafter_drafts_kmax_and_switches_back_from_zero():
 
 def test_auto_useless_head_on_steep_costs_settles_at_zero(llama):
     t, head, ref = llama
-    auto = AutoK(STEEP, 3, probe_every=8)
+    auto = AutoK(STEEP, 3, probe_every=8, calibrate=False)
     r = ReferenceEngine(t, head, 3, auto=auto).generate(
         [Request(PROMPTS[0], SamplingParams(max_new_tokens=N_NEW))])[0]
     assert r.output_ids == ref[0]
@@ -127,7 +127,7 @@ def test_auto_useless_head_on_steep_costs_settles_at_zero(llama):
 
 def test_auto_with_prompt_lookup_is_lossless(llama):
     t, _, ref = llama
-    eng = ReferenceEngine(t, None, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3))
+    eng = ReferenceEngine(t, None, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3, calibrate=False))
     res = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS])
     assert [r.output_ids for r in res] == ref
 
@@ -143,7 +143,7 @@ def test_auto_sampled_tokens_follow_the_target():
     prompt = [4, 9, 2]
     want = second_token_marginal(t, prompt, v)
     n = 3000
-    eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2))
+    eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2, calibrate=False))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i))
                         for i in range(n)])
     second = torch.tensor([r.output_ids[1] for r in res])
@@ -156,7 +156,7 @@ def test_auto_sampled_tokens_follow_the_target():
 def test_engine_refuses_an_auto_that_does_not_match_its_steps(llama):
     t, head, _ = llama
     with pytest.raises(ValueError, match="auto"):
-        ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 2))
+        ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 2, calibrate=False))
 
 
 REPEATS = [[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4], [8, 9, 10, 11, 8, 9], [2, 40, 41, 2, 40]]
@@ -182,7 +182,7 @@ def test_hybrid_takes_prompt_lookup_where_it_is_right():
     to prompt lookup (whose estimate for long matches rises) and accept its drafts."""
     t, head = successor_world()  # target: x -> x+1; the prompt 10..14 then continues 15, 16, ...
     wrong = random_head(t, "split", seed=4)  # a head that does not know the successor rule
-    eng = ReferenceEngine(t, wrong, 3, drafter=NgramDrafter(max_ngram=2), auto=AutoK(FLAT, 3),
+    eng = ReferenceEngine(t, wrong, 3, drafter=NgramDrafter(max_ngram=2), auto=AutoK(FLAT, 3, calibrate=False),
                           hybrid=True)
     # the continuation of 1..30 is 31, 32, ...: never in the prompt, so lookup has nothing right;
     # the prompt 5..20 followed by 5..9 makes the target continue 10, 11, ... which lookup finds
@@ -201,7 +201,7 @@ def test_hybrid_sampled_tokens_follow_the_target():
     prompt = [4, 9, 2, 4, 9]  # lookup proposes "2 ..." after "4 9"
     want = second_token_marginal(t, prompt, v)
     n = 3000
-    auto = AutoK(FLAT, 2)
+    auto = AutoK(FLAT, 2, calibrate=False)
     auto.shared["lookup2"] = [0.9, 0.9]  # earlier requests found long lookup matches right
     eng = ReferenceEngine(t, head, 2, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
     # rows of the repeating prompt take the lookup proposal; rows of [1, 7, 3] (no match) the head
@@ -251,3 +251,18 @@ def test_step_costs_from_batched_curves(llama_target):
     sc = StepCosts.from_curve(curves[0], curves[1:])
     assert set(sc.by_batch) == {4} and sc.by_batch[4].verify == curves[1].verify_ms
     assert sc.cycle_ms(2, 4) == pytest.approx(sc.by_batch[4].cycle_ms(2))
+
+
+def test_measured_cycles_correct_the_curve():
+    """A serving loop whose cycles at K=3 take twice what the curve says: after some cycles
+    the controller prices K=3 at what it costs and drafts less; K=0 cycles that match the
+    curve leave it as it was."""
+    auto = AutoK(FLAT, 3)
+    est = [[0.6] * 3]
+    assert auto.best(est) == 3
+    for _ in range(40):
+        auto.observe_cycle(3, 1, 2 * FLAT.cycle_ms(3))
+        auto.observe_cycle(0, 1, FLAT.cycle_ms(0))
+    assert auto.calib[3] == pytest.approx(2.0, rel=0.05) and auto.calib[0] == pytest.approx(1.0)
+    assert auto.cycle_ms(3, 1) == pytest.approx(2 * FLAT.cycle_ms(3), rel=0.05)
+    assert auto.best(est) < 3

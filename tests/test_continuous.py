@@ -66,8 +66,8 @@ def _engines(t, head):
         "plain": ReferenceEngine(t, head, 0),
         "head3": ReferenceEngine(t, head, 3),
         "lookup3": ReferenceEngine(t, None, 3, drafter=NgramDrafter()),
-        "auto": ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3)),
-        "hybrid": ReferenceEngine(t, head, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3), hybrid=True),
+        "auto": ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False)),
+        "hybrid": ReferenceEngine(t, head, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3, calibrate=False), hybrid=True),
     }
 
 
@@ -122,9 +122,9 @@ def test_context_limit_every_k_returns_what_plain_decoding_does(live_world, arm)
     plain = ReferenceEngine(t, head, 0, max_context=ctx)
     eng = {"plain": plain, "head3": ReferenceEngine(t, head, 3, max_context=ctx),
            "lookup3": ReferenceEngine(t, None, 3, max_context=ctx, drafter=NgramDrafter()),
-           "auto": ReferenceEngine(t, head, 3, max_context=ctx, auto=AutoK(FLAT, 3)),
+           "auto": ReferenceEngine(t, head, 3, max_context=ctx, auto=AutoK(FLAT, 3, calibrate=False)),
            "hybrid": ReferenceEngine(t, head, 3, max_context=ctx, drafter=NgramDrafter(),
-                                     auto=AutoK(FLAT, 3), hybrid=True)}[arm]
+                                     auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)}[arm]
     for n in (ctx - 1, ctx - 2, ctx - 4, 5, 2):
         prompt = [(7 * i + 3) % 97 for i in range(n)]
         reqs = lambda: [Request(prompt, SamplingParams(max_new_tokens=1000))]  # noqa: E731
@@ -162,8 +162,8 @@ def test_sampled_outputs_follow_the_target_over_many_cycles(arm):
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     eng = {"head3": ReferenceEngine(t, head, 3),
            "lookup3": ReferenceEngine(t, None, 3, drafter=NgramDrafter()),
-           "hybrid": ReferenceEngine(t, head, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3), hybrid=True),
-           "auto": ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3))}[arm]
+           "hybrid": ReferenceEngine(t, head, 3, drafter=NgramDrafter(), auto=AutoK(FLAT, 3, calibrate=False), hybrid=True),
+           "auto": ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))}[arm]
     joint = _exact_marginals(t, prompt, n_tok, temp)
     n = 3000
     reqs = [Request(prompt, SamplingParams(temperature=temp, max_new_tokens=n_tok, seed=100 + i))

@@ -324,7 +324,16 @@ def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def plot(table: dict[str, dict[str, Any]], path, title: str = "") -> None:
-    import matplotlib
+    """Throughput against concurrency, one line per arm (skipped, with a note, where matplotlib
+    is not installed: the vLLM venv)."""
+    try:
+        import matplotlib
+    except ImportError:
+        import sys
+
+        print(f"no matplotlib here: {path} not drawn (the JSON and Markdown are written)",
+              file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

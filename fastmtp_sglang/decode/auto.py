@@ -17,7 +17,10 @@ next position's estimate is raised to the last one's). A row decoding at K=0 lea
 after ``probe_every`` cycles at K=0 the controller drafts once at K=1 to look again.
 Any K is lossless (every cycle is verified), so the choice changes speed, never the output.
 
-Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand.
+Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand, and are
+corrected online: every cycle's wall time is compared with what the curve says a cycle at that K
+and batch size costs, and an EMA of the ratio per K scales that K's cost from then on (a serving
+loop costs more per cycle than the bare calls the curve times, and more so at larger K).
 """
 
 from __future__ import annotations
@@ -116,10 +119,12 @@ class AutoK:
     shared_alpha : the same for the estimate shared by all requests, which is where each new
         request starts (so request 100 does not relearn from 0.5 what 99 requests measured)
     probe_every : cycles at K=0 after which one cycle drafts at K=1 to re-measure acceptance
+    calibrate : scale each K's cost by what its cycles really took (``observe_cycle``); off for
+        costs that are not this machine's (tests that impose a curve)
     """
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
-                 probe_every: int = 16, shared_alpha: float = 0.02):
+                 probe_every: int = 16, shared_alpha: float = 0.02, calibrate: bool = True):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
@@ -131,6 +136,11 @@ class AutoK:
         # every request's observations, slowly, per draft source ("head", or "lookup<n>" for a
         # prompt-lookup proposal whose suffix matched n tokens)
         self.shared: dict[str, list[float]] = {}
+        # measured / modelled cycle time, per K (EMA): the costs were measured on bare calls;
+        # a serving loop adds its own (attention over slot holes, joins, bookkeeping), and
+        # more so at larger K. Starts at 1 (trust the curve) and follows the cycles that ran.
+        self.calib: dict[int, float] = {}
+        self.calib_alpha = 0.1 if calibrate else 0.0  # 0: trust the curve as given (tests)
 
     def new_estimate(self, source: str = "head") -> list[float]:
         """Where a new request starts: what the requests before it measured."""
@@ -157,9 +167,26 @@ class AutoK:
         if 0 < k == accepted < len(est):
             est[k] = max(est[k], est[k - 1])
 
+    def cycle_ms(self, k: int, batch: int, head_steps: bool = True) -> float:
+        """A cycle's expected ms: the measured curve at this batch size, times what cycles at K
+        really took against it (``observe_cycle``)."""
+        ms = self.costs.cycle_ms(k, batch)
+        if not head_steps:
+            ms -= self.costs.draft_ms(k, batch)
+        return ms * self.calib.get(k, 1.0)
+
+    def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True) -> None:
+        """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend)."""
+        model = self.costs.cycle_ms(k, batch)
+        if not head_steps:
+            model -= self.costs.draft_ms(k, batch)
+        if model > 0 and ms > 0 and self.calib_alpha:
+            c = self.calib.get(k, 1.0)
+            self.calib[k] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
+
     def best(self, ests: list[list[float]]) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
-        rate = [sum(expected_tokens(e, k) for e in ests) / self.costs.cycle_ms(k, len(ests))
+        rate = [sum(expected_tokens(e, k) for e in ests) / self.cycle_ms(k, len(ests))
                 for k in range(self.kmax + 1)]
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
@@ -172,7 +199,7 @@ class AutoK:
         source with more expected tokens (a proposal shorter than K is padded, so its extra
         positions count as misses); a cycle where no row uses the head costs no draft steps."""
         B = len(heads)
-        best = (B / self.costs.cycle_ms(0, B), 0, [False] * B)  # K=0: a token per row
+        best = (B / self.cycle_ms(0, B), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
             total, use, any_head = 0.0, [], False
             for h, lk in zip(heads, lookups):
@@ -182,9 +209,7 @@ class AutoK:
                 use.append(take)
                 any_head |= not take
                 total += el if take else eh
-            ms = self.costs.cycle_ms(k, B)
-            if not any_head:  # no head steps this cycle
-                ms -= self.costs.draft_ms(k, B)
+            ms = self.cycle_ms(k, B, head_steps=any_head)  # no head steps: no draft cost
             if total / ms > best[0]:
                 best = (total / ms, k, use)
         _, k, use = best

@@ -172,6 +172,9 @@ class ReferenceEngine:
         bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
         _sync(self.device)
         t_draft += time.perf_counter() - t
+        if self.auto is not None:  # what this cycle really cost, against the curve
+            head_steps = not (self.hybrid and Kc and all(take for take, _, _ in b.plan))
+            self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps)
         self._advance(b, acc, emitted, bonus, room.clamp(max=Kc).tolist(), t_draft, t_verify, on_tokens)
         return done + self._collect(b)
 
