@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency:
         from fastmtp_sglang.cli.bench_concurrency import run_concurrency
 
-        return run_concurrency(args, cfg)
+        return run_concurrency(args, cfg, load_in_process)
     meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "config": cfg.__dict__, "target": args.target, "draft": args.draft,
             "label": args.label or default_label(args, cfg)}

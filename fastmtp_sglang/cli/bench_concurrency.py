@@ -24,14 +24,13 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool):
+def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool, load):
     """(runners by arm key, prompts' ids, engine description, servers to shut down, more meta)."""
     from fastmtp_sglang.benchmark.concurrency import closed_loop
     from fastmtp_sglang.benchmark.sweep import arm_key, build_engines
-    from fastmtp_sglang.cli.bench import load_in_process
     from fastmtp_sglang.serving.app import ReferenceServer
 
-    target, head, prompts, vocab = load_in_process(args, cfg)
+    target, head, prompts, vocab = load(args, cfg)
     engines = build_engines(target, head, cfg, draft_vocab=vocab, progress=progress,
                             cost_batches=tuple(lv for lv in levels if lv > 1))
     servers, runners = [], {}
@@ -91,7 +90,8 @@ def _servers(args: argparse.Namespace, cfg):
     return runners, [ids for _, _, _, ids in prompts], desc, [], {}
 
 
-def run_concurrency(args: argparse.Namespace, cfg) -> int:
+def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
+    """``load(args, cfg)`` -> (target, head, prompts, vocab): cli.bench.load_in_process."""
     from fastmtp_sglang.benchmark.concurrency import markdown, plot, run_levels, summarize_levels
     from fastmtp_sglang.decode.costs import cpu_description
 
@@ -100,7 +100,7 @@ def run_concurrency(args: argparse.Namespace, cfg) -> int:
     if args.requests_per_level is not None and args.requests_per_level < 1:
         raise FastMTPError(f"--requests-per-level must be >= 1, got {args.requests_per_level}")
     runners, prompts, desc, servers, extra = (_servers(args, cfg) if args.url
-                                       else _in_process(args, cfg, levels, progress))
+                                       else _in_process(args, cfg, levels, progress, load))
     per_level = args.requests_per_level or len(prompts)
     sampling = {**cfg.sampling_params(), "seed": cfg.seed}
     try:
