@@ -20,12 +20,17 @@ def _random_draft(llama_target, tmp_path):
     return save_draft_dir(tmp_path / "draft", cfg, head.state_dict())
 
 
+def _prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
+                         enumerate(["a list is a list is a list", "the value of the value",
+                                    "return the value"])))
+    return p
+
+
 def test_bench_head_and_prompt_lookup_one_report(llama_target, tmp_path, run_cli):
     draft = _random_draft(llama_target, tmp_path)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
-                               enumerate(["a list is a list is a list", "the value of the value",
-                                          "return the value"])))
+    prompts = _prompts(tmp_path)
     out = tmp_path / "r"
     rc, stdout, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
                               prompts, "--raw", "--steps", "0,2", "--ngram-steps", "2", "--repeats",
@@ -80,10 +85,7 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     from fastmtp_sglang.serving.app import ReferenceServer
 
     draft = _random_draft(llama_target, tmp_path)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in
-                               enumerate(["a list is a list is a list", "the value of the value",
-                                          "return the value"])))
+    prompts = _prompts(tmp_path)
     out = tmp_path / "r"
     rc, stdout, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
                               prompts, "--raw", "--steps", "0,2,auto", "--ngram-steps", "2",

@@ -882,7 +882,8 @@ def test_rows_done_before_a_fault_keep_their_answers(world, local_target):
     from fastmtp_sglang.decode.sampling import SamplingParams
     from fastmtp_sglang.serving.app import ReferenceServer
     from fastmtp_sglang.serving.protocol import GenerateInput
-    from fastmtp_sglang.serving.worker import EngineWorker, _Job
+    from fastmtp_sglang.serving.jobs import _Job
+    from fastmtp_sglang.serving.worker import EngineWorker
 
     _, _, tok, model = world
     eng = ReferenceEngine(local_target, None, 0, MAX_CONTEXT)
@@ -917,7 +918,8 @@ def test_rows_done_before_a_fault_keep_their_answers(world, local_target):
     with ReferenceServer(eng2, "127.0.0.1", 0, max_batch=4) as srv:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(client.generate, srv.url, input_ids=ids, sampling_params=GREEDY)
-            time.sleep(0.25)  # the first is decoding (16 steps of >= 50 ms): the second joins it
+            # the first is decoding (16 steps of >= 50 ms): the second joins its batch
+            wait_until(lambda: srv.stats.snapshot()["generated_tokens"] >= 2)
             second = pool.submit(client.generate, srv.url, input_ids=[5, 6], sampling_params=GREEDY)
             assert first.result()["output_ids"] == greedy_oracle(model, ids)
             assert second.result()["output_ids"] == greedy_oracle(model, [5, 6])

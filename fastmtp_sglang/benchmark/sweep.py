@@ -478,6 +478,9 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
              f"{meta.get('prompts')} prompts; max_new_tokens {meta['config']['max_new_tokens']}; "
              f"temperature {meta['config']['temperature']}; repeats {meta['config']['repeats']} "
              f"(median); {meta.get('engine')}.", ""]
+    if meta.get("cpu"):
+        c = meta["cpu"]
+        lines += [f"CPU: {c['model']}; flags {' '.join(c['flags']) or 'no avx2'}; {c['threads']} threads.", ""]
     if bad:
         lines += [f"**{bad}**", ""]
     elif check:
@@ -582,7 +585,10 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
 
 def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any],
                   samples: list[Sample]) -> None:
+    from fastmtp_sglang.decode.costs import cpu_description
+
     out.mkdir(parents=True, exist_ok=True)
+    meta.setdefault("cpu", cpu_description())  # every result names the machine it ran on
     payload = {"meta": meta, "results": results,
                "samples": [{k: v for k, v in asdict(s).items() if k != "output_ids"} for s in samples]}
     tmp = out / ".results.json.tmp"

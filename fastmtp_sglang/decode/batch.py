@@ -67,7 +67,6 @@ class Batch:
         dev = self.engine.device
         for j, r in enumerate(self.rows):
             r.index = j
-        self.active = torch.arange(len(self.rows), device=dev)
         self.gens = [r.gen for r in self.rows]
         params = [r.req.params for r in self.rows]
         self.greedy = all(p.is_greedy for p in params)
@@ -79,22 +78,22 @@ class Batch:
         return len(self.rows)
 
     # -- picking tokens ---------------------------------------------------------------------------
-    def pick(self, logits: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [N, V] for batch rows rows_t [N] -> (tokens [N], probs [N, V] or None)."""
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [n, V], one row per batch row -> (tokens [n], probs [n, V] or None)."""
         if self.greedy:
             return logits.argmax(-1), None
-        probs = logits_to_probs(logits.float(), self.temp[rows_t], self.top_p[rows_t], self.top_k[rows_t])
-        toks = torch.cat([sample(probs[i:i + 1], self.gens[int(r)]) for i, r in enumerate(rows_t.tolist())])
+        probs = logits_to_probs(logits.float(), self.temp, self.top_p, self.top_k)
+        toks = torch.cat([sample(probs[i:i + 1], g) for i, g in enumerate(self.gens)])
         return toks, probs
 
-    def draft_pick(self, g: torch.Tensor, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's output hidden g [N, H] -> (draft tokens [N], q [N, V] or None)."""
+    def draft_pick(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's output hidden g [n, H] -> (draft tokens [n], q [n, V] or None)."""
         e = self.engine
         if e.draft_vocab is None:
-            return self.pick(e.head.project(g).float(), rows_t)
+            return self.pick(e.head.project(g).float())
         if self.greedy:
             return e.draft_vocab.greedy(g, self.tidx, self.extra), None
-        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float(), rows_t)
+        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float())
 
     # -- rows leaving and joining -------------------------------------------------------------------
     def finished(self) -> list[Row]:
@@ -162,6 +161,8 @@ class Batch:
 
     def repack(self) -> None:
         """Move every row's live slots to the front when the holes exceed REPACK_SLACK."""
+        if self.valid.shape[1] <= REPACK_SLACK:  # (every cycle: skip the count while small)
+            return
         counts = self.valid.sum(1)
         width = int(counts.max())
         if self.valid.shape[1] - width <= REPACK_SLACK:

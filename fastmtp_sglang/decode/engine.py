@@ -165,6 +165,7 @@ class ReferenceEngine:
         _sync(self.device)
         t_draft = time.perf_counter() - t
         t = time.perf_counter()
+        room = room.clamp(max=Kc)                          # drafts each row may accept
         vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc, room)
         _sync(self.device)
         t_verify = time.perf_counter() - t
@@ -175,7 +176,7 @@ class ReferenceEngine:
         if self.auto is not None:  # what this cycle really cost, against the curve
             head_steps = not (self.hybrid and Kc and all(take for take, _, _ in b.plan))
             self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps)
-        self._advance(b, acc, emitted, bonus, room.clamp(max=Kc).tolist(), t_draft, t_verify, on_tokens)
+        self._advance(b, acc, emitted, bonus, room.tolist(), t_draft, t_verify, on_tokens)
         return done + self._collect(b)
 
     # -- the steps of generate ----------------------------------------------------------------
@@ -198,7 +199,7 @@ class ReferenceEngine:
         b.cache = DynamicCache()
         hidden = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)   # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
-        b.pending, _ = b.pick(self.target.lm_head(last_h).float(), b.active)        # [B]
+        b.pending, _ = b.pick(self.target.lm_head(last_h).float())        # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
         if b.use_head:
             # draft extend over the prompt: (h_i, x_{i+1}) at position i; x_n is `pending`
@@ -225,7 +226,7 @@ class ReferenceEngine:
         hybrid, which rows take prompt lookup's proposal: ``b.plan``)."""
         if self.auto is None:
             return self.steps
-        rows = [b.rows[i] for i in b.active.tolist()]
+        rows = b.rows
         if not self.hybrid:
             return self.auto.choose([r.est for r in rows], b.zero_run)
         props = [self.drafter.propose_match(r.req.input_ids + r.out, self.steps) for r in rows]
@@ -241,14 +242,14 @@ class ReferenceEngine:
     def _draft(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
         Kc is the number of drafts verified this cycle (a drafter with nothing to propose: 0)."""
-        dev, n = self.device, len(b.active)
+        dev, n = self.device, len(b)
         drafts = torch.empty(n, K, dtype=torch.long, device=dev)
         qs: list = []
         Kc = K
         if self.hybrid:
             return self._draft_hybrid(b, K)
         if self.drafter is not None and K:
-            drafts, Kc = self._propose(b.rows, b.active, K, b.pending)
+            drafts, Kc = self._propose(b.rows, K, b.pending)
             if not b.greedy:  # a deterministic draft: q is one-hot at each proposed token
                 V = self.target.lm_head.weight.shape[0]
                 qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
@@ -258,18 +259,18 @@ class ReferenceEngine:
 
     def _draft_head(self, b: Batch, K: int) -> tuple[torch.Tensor, list]:
         """K recursive head steps for every live row: (drafts [n, K], q per step or None)."""
-        drafts = torch.empty(len(b.active), K, dtype=torch.long, device=self.device)
+        drafts = torch.empty(len(b), K, dtype=torch.long, device=self.device)
         qs: list = []
         if b.deferred:
             self._catch_up(b)
-        d, q = b.draft_pick(b.g, b.active)
+        d, q = b.draft_pick(b.g)
         drafts[:, 0] = d
         qs.append(q)
         for k in range(2, K + 1):
             pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
             g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache, return_logits=False)
             b.g = g[:, 0]
-            d, q = b.draft_pick(b.g, b.active)
+            d, q = b.draft_pick(b.g)
             drafts[:, k - 1] = d
             qs.append(q)
         return drafts, qs
@@ -277,7 +278,7 @@ class ReferenceEngine:
     def _draft_hybrid(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """Head drafts for the rows that want them (the chain runs for the batch when any row
         does), prompt lookup's proposal (padded to K) for the others, per ``b.plan``."""
-        n = len(b.active)
+        n = len(b)
         if K == 0:
             return torch.empty(n, 0, dtype=torch.long, device=self.device), [], 0
         lookup = [take for take, _, _ in b.plan]
@@ -302,7 +303,7 @@ class ReferenceEngine:
     def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
         """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
         returns (target hidden [n, Kc+1, H], positions [n, Kc+1], accepted [n], emitted [n, Kc+1]).
-        A row accepts at most ``room`` drafts (what still fits its context)."""
+        Row i accepts at most ``room[i]`` (<= Kc) drafts: what still fits its context."""
         dev, n = self.device, len(b)
         vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
         # slots past a row's context are verified (one forward for the batch) but never
@@ -311,11 +312,11 @@ class ReferenceEngine:
         b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
         vh = self._target(vin, vpos, b.valid.long(), b.cache)                         # [n, Kc+1, H]
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
-        cap = room.clamp(max=Kc).tolist()
+        cap = room.tolist()
         if b.greedy:
             acc, emitted = verify_greedy(drafts, tlogits)
             if min(cap) < Kc:  # the emitted prefix is the target's argmax: cut it at the cap
-                acc = torch.minimum(acc, room.clamp(max=Kc))
+                acc = torch.minimum(acc, room)
                 slot = torch.arange(Kc + 1, device=dev)[None]
                 emitted = torch.where(slot <= acc[:, None], tlogits.argmax(-1), -1)
         else:
@@ -342,7 +343,7 @@ class ReferenceEngine:
     def _draft_extend(self, b: Batch, drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
                       acc: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
         """5. draft extend over the accepted positions; returns each row's bonus token [n]."""
-        n = len(b.active)
+        n = len(b)
         bonus = emitted.gather(1, acc[:, None])[:, 0]                                 # [n]
         if b.use_head:
             # the token after each verified position: d_{j+1} up to the first rejection, then b
@@ -418,16 +419,13 @@ class ReferenceEngine:
             text = text[: text.find(r.finish["matched_str"])]
         return Result(r.out, text, r.finish, r.metrics, r.req.rid)
 
-    def _propose(self, rows: list[Row], active: torch.Tensor, K: int, pending: torch.Tensor
+    def _propose(self, rows: list[Row], K: int, pending: torch.Tensor
                  ) -> tuple[torch.Tensor, int]:
         """The drafter's proposals for the live rows: (drafts [n, K] or [n, 0], K verified).
 
         A row without a full proposal is padded with its last proposed (or pending) token: a
         guess that costs one verified slot and changes nothing else."""
-        props = []
-        for i in active.tolist():
-            r = rows[i]
-            props.append(self.drafter.propose(r.req.input_ids + r.out, K))
+        props = [self.drafter.propose(r.req.input_ids + r.out, K) for r in rows]
         n = len(props)
         if not any(props):
             return torch.empty(n, 0, dtype=torch.long, device=self.device), 0

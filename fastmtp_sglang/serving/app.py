@@ -44,7 +44,7 @@ from fastmtp_sglang.serving.protocol import (
 from fastmtp_sglang.serving.worker import STOP_WORKER_S, EngineWorker
 
 if TYPE_CHECKING:
-    from fastmtp_sglang.serving.worker import _Job
+    from fastmtp_sglang.serving.jobs import _Job
 
 
 # ----------------------------------------------------------------------------------------------

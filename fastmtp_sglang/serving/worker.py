@@ -1,6 +1,6 @@
-"""The reference server's engine side: the bounded queue, the requests in flight, the worker
-thread that owns the engine and batches, failure isolation, abort, and the /server_info and
-/get_model_info data.
+"""The reference server's engine side: the bounded queue, the loop that owns the engine and
+batches, failure isolation, abort, and the /server_info and /get_model_info data (the requests
+in flight and the counters are in fastmtp_sglang.serving.jobs).
 
 ``EngineWorker`` is everything of the reference server but HTTP; ``ReferenceServer``
 (fastmtp_sglang.serving.app) puts FastAPI on uvicorn in front of it. The HTTP side uses
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import secrets
 import sys
 import threading
@@ -41,135 +40,16 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Callable
 
 from fastmtp_sglang.decode.engine import Request, RequestError
+from fastmtp_sglang.serving.jobs import ServerStats, _EngineFailure, _Job, _rss_bytes, _Slot
 from fastmtp_sglang.serving.protocol import (
     MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
     HTTPError, max_token_chars, parse_generate, public_finish_reason)
 
 STOP_WORKER_S = 10.0       # after the last request is answered, how long to wait for the engine
-
-
-# ----------------------------------------------------------------------------------------------
-# requests in flight
-# ----------------------------------------------------------------------------------------------
-
-class _Slot:
-    """One place in the bounded queue; released once, by whoever gets there first."""
-
-    def __init__(self, server: "EngineWorker"):
-        self._server, self._held = server, True
-
-    def release(self) -> None:
-        with self._server._cond:
-            if self._held:
-                self._held = False
-                self._server._admitted -= 1
-
-
-@dataclass(eq=False)
-class _Job:
-    """One /generate request from submission to its final event.
-
-    Events go to the HTTP side through ``emit`` (thread-safe, never blocks): ``accepted`` (it
-    joined a batch), ``chunk`` (stream), then exactly one final event: ``done`` (the result),
-    ``error`` ((status, message)) or ``aborted`` ((status, partial result)). ``lock`` orders the
-    worker's events against an abort from the HTTP side, so nothing follows a final event."""
-
-    inp: GenerateInput
-    input_ids: list[int]
-    received: float  # time.time() when the request arrived
-    emit: Callable[[str, Any], None]
-    slot: _Slot | None = None
-    internal: bool = False  # a /health_generate probe: kept out of the statistics
-    req: Request | None = None  # the engine request of the current run
-    prefix: list[int] = field(default_factory=list)         # a resumed run starts after these
-    out_ids: list[int] = field(default_factory=list)        # this run's tokens so far
-    streamed_ids: list[int] = field(default_factory=list)   # what a stream has sent the client
-    sent_text: str = ""
-    closed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, kind: str, payload: Any = None) -> bool:
-        """Emit a non-final event; False when the job is already closed."""
-        with self.lock:
-            if self.closed:
-                return False
-            self.emit(kind, payload)
-            return True
-
-
-class ServerStats:
-    """Counters over the server's lifetime (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = 0            # finished with 200
-        self.failed = 0              # refused (400) or failed (500)
-        self.aborted = 0             # ended by /abort_request, a disconnect or shutdown
-        self.busy = 0                # turned away with 503 (queue full, shutting down)
-        self.retried_batches = 0     # batches the engine failed on, re-run in halves
-        self.batches = 0             # prefills that started or joined a running batch
-        self.largest_batch = 0       # most rows the running batch held
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.generated_tokens = 0    # every token the engine emitted, aborted and re-run ones too
-        self.cycles = 0
-        self.accepted = 0
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def add_batch(self, n: int) -> None:
-        with self._lock:
-            self.batches += 1
-            self.largest_batch = max(self.largest_batch, n)
-
-    def add_result(self, prompt_tokens: int, completion_tokens: int, accepted: list[int]) -> None:
-        with self._lock:
-            self.requests += 1
-            self.prompt_tokens += prompt_tokens
-            self.completion_tokens += completion_tokens
-            self.cycles += len(accepted)
-            self.accepted += sum(accepted)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            tau = (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
-            return {
-                "avg_spec_accept_length": tau,
-                "requests_served": self.requests,
-                "requests_failed": self.failed,
-                "requests_aborted": self.aborted,
-                "requests_busy": self.busy,
-                "batches": self.batches,
-                "batches_retried": self.retried_batches,
-                "largest_batch": self.largest_batch,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "generated_tokens": self.generated_tokens,
-                "spec_verify_ct": self.cycles,
-            }
-
-
-class _EngineFailure(Exception):
-    """engine.generate raised on a batch (the original exception is the cause)."""
-
-
-def _rss_bytes() -> int:
-    """Resident memory of this process now (peak on systems without /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ----------------------------------------------------------------------------------------------
