@@ -67,11 +67,15 @@ def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
             "--tokens", "40,150", "--arm", "fastmtp=", "--arm", "vanilla=--vanilla",
             "--heldout-rows", "4", "--serve-steps", "1,3", "--dev-prompts", dev,
             "--dev-max-new-tokens", "8", "--no-progress", "--", "--epochs", "1", "--batch-size", "4",
-            "--max-len", "64", "--lr", "3e-3"]
+            "--max-len", "64", "--lr", "3e-3", "--eval-every", "1"]
     rc, stdout, err = run_cli(*args)
     assert rc == 0, err
     res = json.loads((out / "curve.json").read_text())
     pts = {(p["arm"], p["tokens"]): p for p in res["points"]}
+    for p in pts.values():  # the curve in optimizer steps: one score per step, the last the point's
+        sc = p["step_curve"]
+        assert [r["step"] for r in sc] == list(range(1, p["optimizer_steps"] + 1))
+        assert sc[-1]["tau_walk"] == pytest.approx(p["heldout"]["tau_walk"], abs=1e-9)
     assert set(pts) == {("fastmtp", 40), ("fastmtp", 150), ("vanilla", 40), ("vanilla", 150)}
     assert pts[("fastmtp", 40)]["rows"] < pts[("fastmtp", 150)]["rows"] <= 16
     for p in pts.values():
@@ -89,6 +93,8 @@ def test_curve_cli_end_to_end(llama_target, tmp_path, run_cli, tiny_tokenizer):
         again = served_tau(target, head, ids, [1, 3], 8)
         assert {str(k): v for k, v in again.items()} == pts[(arm, 150)]["served_tau"]
     assert (out / "curve.md").read_text().count("| fastmtp |") == 2 and (out / "curve.png").is_file()
+    assert "held-out score in optimizer steps" in (out / "curve.md").read_text()
+    assert (out / "curve_steps.png").is_file()
     assert len(list((out / "features").glob("shard-*.safetensors"))) >= 1  # one cache for all points
     # a rerun has nothing left to do
     rc, _, err = run_cli(*args)

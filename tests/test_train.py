@@ -308,6 +308,25 @@ def small_cfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def test_eval_every_scores_the_heldout_rows_in_optimizer_steps(toy):
+    target, data, init, root, _ = toy
+    # 4 optimizer steps per epoch: scores at steps 3, 6, 9, 12 and at the epochs' ends 4 and 8
+    # (12 is both, scored once)
+    res = train(small_cfg(epochs=3, eval_every=3), target, data, root / "every", init=init,
+                progress=False)
+    evals = [r for r in res.log if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 4, 6, 8, 9, 12]
+    assert [r["epoch"] for r in evals] == [0.75, 1.0, 1.5, 2.0, 2.25, 3.0]
+    assert evals[-1]["tau_train"] == res.last_eval["tau_train"]
+    # scoring inside the epoch changes nothing the run computes (same final loss as without)
+    plain = train(small_cfg(epochs=3), target, data, root / "plain", init=init, progress=False)
+    last = [r for r in res.log if r["event"] == "step"][-1]
+    assert last["loss"] == [r for r in plain.log if r["event"] == "step"][-1]["loss"]
+    assert plain.last_eval["tau_train"] == res.last_eval["tau_train"]
+    with pytest.raises(FastMTPError, match="eval_every"):
+        small_cfg(eval_every=-1)
+
+
 def test_data_loading_counts_bad_lines(toy):
     target, data, *_ = toy
     exs, counts = load_examples(data, None, TOY_V, max_len=64)

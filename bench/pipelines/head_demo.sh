@@ -5,6 +5,8 @@
 #
 #   POINTS=940000 bash bench/pipelines/head_demo.sh [PIPELINE_DIR] [OUT]
 #   ARMS="fastmtp vanilla" LOSS=kl LR=1e-3 POINTS=400000,1000000 bash bench/pipelines/head_demo.sh
+#   POINTS=1300000 EPOCHS=4 LR=6e-3 EVAL_EVERY=250 RESULTS=bench/results/head_steps \
+#       bash bench/pipelines/head_demo.sh runs/demo-pipeline-v2 runs/demo-pipeline-v2/head-steps
 #
 # Layout as bench/pipelines/curve_demo.sh and bench/pipelines/ablation.sh: the first 200 rows of distill.jsonl are
 # the held-out rows, the training prefixes start after them, so the points here continue the
@@ -22,6 +24,8 @@ LOSS=${LOSS:-kl}
 LR=${LR:-1e-3}
 EPOCHS=${EPOCHS:-2}
 SIZE=${SIZE:-16384}
+EVAL_EVERY=${EVAL_EVERY:-0}   # optimizer steps between held-out scores (the curve in steps); 0 = per epoch
+RESULTS=${RESULTS:-bench/results/head_demo}
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
@@ -53,8 +57,8 @@ done
     --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
     --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
     -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16 \
-       --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --save-every 200 --vocab "$TABLE"
-mkdir -p bench/results/head_demo
-cp "$OUT/curve.json" "$OUT/curve.md" bench/results/head_demo/
-[[ -f $OUT/curve.png ]] && cp "$OUT/curve.png" bench/results/head_demo/
-echo "results in bench/results/head_demo/; heads in $OUT/<arm>/<tokens>/"
+       --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --save-every 200 --eval-every "$EVAL_EVERY" --vocab "$TABLE"
+mkdir -p "$RESULTS"
+cp "$OUT/curve.json" "$OUT/curve.md" "$RESULTS/"
+for f in curve.png curve_steps.png; do if [[ -f $OUT/$f ]]; then cp "$OUT/$f" "$RESULTS/"; fi; done
+echo "results in $RESULTS/; heads in $OUT/<arm>/<tokens>/"

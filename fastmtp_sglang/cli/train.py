@@ -97,6 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help=f"data order and split seed (default {d.seed})")
     p.add_argument("--save-every", type=int, help="optimizer steps between checkpoints, 0 = each "
                    "epoch only (default 0)")
+    p.add_argument("--eval-every", type=int, help="optimizer steps between held-out scores, "
+                   "logged as the learning curve in steps; 0 = each epoch only (default 0)")
     p.add_argument("--halt-after-steps", type=int, help="stop after N optimizer steps, with a "
                    "checkpoint to --resume from (default: run all epochs)")
     p.add_argument("--cache-hidden-gb", type=float, help=f"GB of memory for caching the target's "

@@ -61,6 +61,8 @@ class TrainConfig:
     max_sequences: int | None = None  # use the first N usable rows of the data
     seed: int = 0
     save_every: int = 0               # optimizer steps between checkpoints; 0 = each epoch only
+    eval_every: int = 0               # optimizer steps between held-out scores (the learning curve
+                                      # in steps); 0 = at the end of each epoch only
     halt_after_steps: int | None = None  # stop (and checkpoint) after this many optimizer steps
     cache_hidden_gb: float = 2.0      # memory for caching the target's hidden states; 0 = off
     kl_topk: int = 0                  # KL to the target's top-k from the feature cache; 0 = exact
@@ -103,6 +105,8 @@ class TrainConfig:
             bad.append(f"max_sequences must be >= 1, got {self.max_sequences}")
         if self.save_every < 0:
             bad.append(f"save_every must be >= 0, got {self.save_every}")
+        if self.eval_every < 0:
+            bad.append(f"eval_every must be >= 0 (0 = each epoch only), got {self.eval_every}")
         if self.halt_after_steps is not None and self.halt_after_steps < 1:
             bad.append(f"halt_after_steps must be >= 1, got {self.halt_after_steps}")
         if self.cache_hidden_gb < 0:

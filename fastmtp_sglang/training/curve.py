@@ -85,6 +85,22 @@ def served_tau(target, head, prompts: list[list[int]], steps: list[int], max_new
     return out
 
 
+def step_curve(pdir: str | Path) -> list[dict[str, Any]]:
+    """The held-out scores a run logged while it trained (``--eval-every`` and each epoch's end),
+    in optimizer steps, from its ``train_log.jsonl`` (a resumed run's log holds the whole run)."""
+    from fastmtp_sglang.training.checkpoints import LOG_NAME
+
+    f = Path(pdir) / LOG_NAME
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("event") == "eval":
+            out.append({k: rec.get(k) for k in ("step", "epoch", "tau_walk", "tau_train", "A_k")})
+    return out
+
+
 def learning_curve(target_dir: str, init: str, data: str, out: str | Path, tokens: list[int],
                    arms: list[Arm], serve_steps: list[int], heldout_rows: int = 100,
                    features: str | Path | None = None, feature_dtype: str = "bfloat16",
@@ -156,14 +172,15 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
                         vocab_ids=vocab_ids, vocab_name=vocab_name,
                         overwrite=resume is None and pdir.exists(), progress=progress,
                         features=feats, target_dir=target_dir, feature_dtype=feature_dtype,
-                        allow_base_mismatch=arm.allow_base_mismatch)
+                        allow_base_mismatch=arm.allow_base_mismatch, heldout=held)
             seconds = time.perf_counter() - t0
             head = load_head(pdir, target.embed, target.lm_head, dtype=torch.float32)
             proj = Projection(target.lm_head, vocab_ids)
             ev = evaluate(head, store, held, proj, max(serve_steps), cfg.batch_size, cfg.ce_chunk)
             point = {"arm": arm.name, "flags": arm.flags, "tokens": n, "rows": rows[n],
                      "optimizer_steps": res.global_step, "train_seconds": round(seconds, 1),
-                     "heldout": {k: ev[k] for k in ("tau_train", "tau_walk", "A_k", "acc_k", "anchors")}}
+                     "heldout": {k: ev[k] for k in ("tau_train", "tau_walk", "A_k", "acc_k", "anchors")},
+                     "step_curve": step_curve(pdir)}
             if dev:
                 mdt = next(target.model.parameters()).dtype
                 h = load_head(pdir, target.embed, target.lm_head, dtype=mdt)
@@ -199,6 +216,15 @@ def markdown(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"{p['train_seconds']:.0f} | {h['tau_walk']:.3f} | {h['tau_train']:.3f} | "
                      + "/".join(f"{100 * a:.0f}" for a in h["A_k"]) + " | "
                      + " | ".join(f"{served[k]:.3f}" if k in served else "-" for k in ks) + " |")
+    for p in sorted(points, key=lambda p: (p["arm"], p["tokens"])):
+        sc = p.get("step_curve") or []
+        if len(sc) < 2:
+            continue
+        lines += ["", f"## {p['arm']} @ {p['tokens']} tokens: held-out score in optimizer steps "
+                  "(K as trained)", "", "| step | epoch | tau_walk | tau_train | A_k (%) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['epoch']:.2f} | {r['tau_walk']:.3f} | {r['tau_train']:.3f} | "
+                  + "/".join(f"{100 * a:.0f}" for a in r["A_k"]) + " |" for r in sc]
     return "\n".join(lines) + "\n"
 
 
@@ -232,3 +258,17 @@ def _write(out: Path, points: list[dict[str, Any]], meta: dict[str, Any]) -> Non
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=110)
     plt.close(fig)
+    runs = [p for p in points if len(p.get("step_curve") or []) >= 2]
+    if runs:  # the curve in optimizer steps: where more passes over the same data stop paying
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, p in enumerate(sorted(runs, key=lambda p: (p["arm"], p["tokens"]))):
+            sc = p["step_curve"]
+            ax.plot([r["step"] for r in sc], [r["tau_walk"] for r in sc], "o-", color=f"C{i}",
+                    label=f"{p['arm']} @ {p['tokens']} tokens")
+        ax.set_xlabel("optimizer steps")
+        ax.set_ylabel("held-out tau_walk (K as trained)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "curve_steps.png", dpi=110)
+        plt.close(fig)

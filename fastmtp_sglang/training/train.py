@@ -93,8 +93,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
           resume: str | Path | None = None, vocab_ids: torch.Tensor | None = None,
           vocab_name: str | None = None, overwrite: bool = False, progress: bool = True,
           allow_base_mismatch: bool = False, features: str | Path | None = None,
-          target_dir: str | Path | None = None, feature_dtype: str = "bfloat16"
-          ) -> TrainResult:
+          target_dir: str | Path | None = None, feature_dtype: str = "bfloat16",
+          heldout: list[tuple[int, Any]] | None = None) -> TrainResult:
     """Train a FastMTP head; returns where the final checkpoint is and the log.
 
     Parameters
@@ -110,6 +110,9 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
         (and top-k logits for ``cfg.kl_topk``) are read from it, built there first when missing
         (needs ``target_dir``, the target's directory, for the weights hash). A resumed run
         reuses the cache its checkpoint names.
+    heldout : (row, Example) pairs of ``data`` to score instead of the ``cfg.heldout_fraction``
+        split (``fastmtp curve`` passes its own held-out rows, which no training prefix holds);
+        rows index the whole file, as the feature cache does.
     """
     data, out = Path(data), Path(out)
     state = _check_start(cfg, out, init, resume, overwrite)
@@ -119,7 +122,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     run = _new_run(cfg, out, init, draft, head, proj, ds, feed, vocab_name)
     _restore_or_seed(run, state, resume)
     _announce(run, fresh=state is None)
-    _train_epochs(run, feed, progress)
+    held = heldout if heldout is not None else [(i, ds.examples[i]) for i in ds.held_idx]
+    _train_epochs(run, feed, held, progress)
     return TrainResult(out, run.global_step, run.epoch >= cfg.epochs, run.last_eval, run.records)
 
 
@@ -273,9 +277,10 @@ def _announce(run: RunState, fresh: bool) -> None:
           file=sys.stderr)
 
 
-def _train_epochs(run: RunState, feed: _Feed, progress: bool) -> None:
-    """The remaining epochs: optimizer steps, then (each epoch) held-out tau and a checkpoint;
-    ``cfg.halt_after_steps`` stops early with a checkpoint to resume from."""
+def _train_epochs(run: RunState, feed: _Feed, held: list[tuple[int, Any]], progress: bool) -> None:
+    """The remaining epochs: optimizer steps (held-out tau every ``cfg.eval_every``), then (each
+    epoch) held-out tau and a checkpoint; ``cfg.halt_after_steps`` stops early with a checkpoint
+    to resume from."""
     from tqdm import tqdm
 
     cfg = run.cfg
@@ -287,11 +292,11 @@ def _train_epochs(run: RunState, feed: _Feed, progress: bool) -> None:
         while run.epoch < cfg.epochs and not halted:
             batches = epoch_batches(run.data.train_idx, [len(e.ids) for e in run.data.examples],
                                     cfg.batch_size, cfg.seed, run.epoch, cfg.group_by_length)
-            halted = _epoch_steps(run, feed, batches, bar, t0)
+            halted = _epoch_steps(run, feed, held, batches, bar, t0)
             if halted and run.batch_pos < len(batches):
                 break
-            if run.data.held_idx:
-                _evaluate_heldout(run, feed)
+            if held and not (cfg.eval_every and run.global_step % cfg.eval_every == 0):
+                _evaluate_heldout(run, feed, held)
             run.epoch += 1
             run.batch_pos = 0
             run.checkpoint(run.epoch >= cfg.epochs)
@@ -301,9 +306,11 @@ def _train_epochs(run: RunState, feed: _Feed, progress: bool) -> None:
         bar.close()
 
 
-def _epoch_steps(run: RunState, feed: _Feed, batches: list[list[int]], bar, t0: float) -> bool:
+def _epoch_steps(run: RunState, feed: _Feed, held: list[tuple[int, Any]], batches: list[list[int]],
+                 bar, t0: float) -> bool:
     """Optimizer steps from ``run.batch_pos`` to the end of the epoch's ``batches``, each logged,
-    with a checkpoint every ``cfg.save_every`` steps; True when ``cfg.halt_after_steps`` stops it."""
+    with held-out tau every ``cfg.eval_every`` steps and a checkpoint every ``cfg.save_every``;
+    True when ``cfg.halt_after_steps`` stops it."""
     cfg = run.cfg
     while run.batch_pos < len(batches):
         group = batches[run.batch_pos: run.batch_pos + cfg.grad_accum]
@@ -312,6 +319,8 @@ def _epoch_steps(run: RunState, feed: _Feed, batches: list[list[int]], bar, t0: 
         bar.update(1)
         bar.set_postfix(loss=f"{rec['loss']:.3f}",
                         acc="/".join(f"{a:.2f}" if a is not None else "-" for a in rec["acc_k"]))
+        if held and cfg.eval_every and run.global_step % cfg.eval_every == 0:
+            _evaluate_heldout(run, feed, held)
         if cfg.halt_after_steps is not None and run.global_step >= cfg.halt_after_steps:
             return True
         if cfg.save_every and run.global_step % cfg.save_every == 0 and run.batch_pos < len(batches):
@@ -354,14 +363,18 @@ def _optimizer_step(run: RunState, feed: _Feed, group: list[list[int]], n_batche
             "grad_norm": float(gnorm), "elapsed_s": round(time.perf_counter() - t0, 3)}
 
 
-def _evaluate_heldout(run: RunState, feed: _Feed) -> None:
-    """Training-time tau on the held-out split at the end of an epoch: logged and printed."""
-    cfg, examples = run.cfg, run.data.examples
-    run.last_eval = evaluate(run.head, feed.hidden_fn, [(i, examples[i]) for i in run.data.held_idx],
-                             run.proj, cfg.steps, cfg.batch_size, cfg.ce_chunk)
+def _evaluate_heldout(run: RunState, feed: _Feed, held: list[tuple[int, Any]]) -> None:
+    """Training-time tau on the held-out rows: logged (``event: eval`` with its optimizer step,
+    the learning curve in steps) and printed."""
+    cfg = run.cfg
+    was_training = run.head.training
+    run.last_eval = evaluate(run.head, feed.hidden_fn, held, run.proj, cfg.steps, cfg.batch_size,
+                             cfg.ce_chunk)
+    run.head.train(was_training)
     last_eval = run.last_eval
-    run.log({"event": "eval", "epoch": run.epoch + 1, "step": run.global_step, **last_eval})
-    print(f"train: epoch {run.epoch + 1}: held-out tau_train {fmt_score(last_eval['tau_train'])} "
+    epoch = run.epoch + run.batch_pos / max(run.n_batches, 1)
+    run.log({"event": "eval", "epoch": round(epoch, 4), "step": run.global_step, **last_eval})
+    print(f"\ntrain: step {run.global_step} (epoch {epoch:.2f}): held-out tau_train {fmt_score(last_eval['tau_train'])} "
           f"(walk {fmt_score(last_eval['tau_walk'])}), A_k "
           f"{[fmt_score(a) for a in last_eval['A_k']]}", file=sys.stderr)
 
