@@ -7,6 +7,7 @@ import argparse
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.training import features as lib
+from fastmtp_sglang.cli.init_head import layer_list
 from fastmtp_sglang.training.features import FEATURE_DTYPES, open_or_build
 
 
@@ -21,7 +22,8 @@ def _run(args: argparse.Namespace) -> int:
     if not examples:
         raise FastMTPError(f"{args.data}: no usable rows ({counts.lines} lines)")
     store = open_or_build(target, args.target, args.data, examples, args.out, args.max_len,
-                          args.max_sequences, args.feature_dtype, args.topk, not args.no_progress)
+                          args.max_sequences, args.feature_dtype, args.topk, not args.no_progress,
+                          aux_layers=tuple(args.aux_layers or ()))
     print(f"feature cache {store.path}: {len(store)} sequences, {store.index['tokens']} tokens, "
           f"{store.nbytes / 2**20:.0f} MiB")
     return 0
@@ -42,5 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the stored hidden states (default bfloat16)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the target's dtype for the forward (default float32, as train)")
+    p.add_argument("--aux-layers", type=layer_list, default=None,
+                   help="also store these middle layers' residual streams, for a head made with "
+                   "`init-head --aux-layers` (default none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

@@ -21,7 +21,8 @@ def describe(path: str | Path, target: str | Path | None = None, as_json: bool =
         "path": str(d.path), "layout": c.layout, "block": c.block,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "vocab_size": c.vocab_size, "parameters": n_params, "dtype": dtypes,
+        "vocab_size": c.vocab_size, "aux_hidden_states": list(c.aux_hidden_states),
+        "parameters": n_params, "dtype": dtypes,
         "tensors": {k: list(v.shape) for k, v in d.state_dict.items()}, "fastmtp": meta,
     }
     ok = True
@@ -46,6 +47,9 @@ def describe(path: str | Path, target: str | Path | None = None, as_json: bool =
         f"block            {c.block}: hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
         f"heads {c.num_attention_heads}/{c.num_key_value_heads} (q/kv), head_dim {c.head_dim}",
         f"vocab            {c.vocab_size} (embedding and lm_head come from the target)",
+        "input            " + (f"fc(cat[aux layers {list(c.aux_hidden_states)} (each RMS-normed), "
+                               "last hidden]) at step 1 (reference engine only)"
+                               if c.aux_hidden_states else "the target's last hidden state"),
         f"parameters       {n_params:,} ({', '.join(dtypes)})",
         f"trained steps    K={meta.get('trained_steps', 0)}"
         + (f", step weights {meta['step_weights']}" if meta.get("step_weights") else ""),

@@ -62,6 +62,10 @@ def expected_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
         "layer.mlp.down_proj.weight": (h, i),
         "final_norm.weight": (h,),
     })
+    n_aux = len(cfg.aux_hidden_states)
+    if n_aux:
+        shapes["fc.weight"] = (h, (n_aux + 1) * h)
+        shapes.update({f"aux_norms.{j}.weight": (h,) for j in range(n_aux)})
     if cfg.qkv_bias:
         shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
     if cfg.o_bias:

@@ -3,10 +3,19 @@
 One step (docs/design.md section 1.1)::
 
     e   = embed(x_{i+1})                              # the target's embedding, shared
+    h_i = fc(cat[anorm_1(a_1), .., anorm_n(a_n), h_i])  # only with aux layers, only at step 1
     x   = proj(hnorm(h_i), enorm(e))                  # layout-dependent, see LAYOUTS
     x   = block(x)                                    # one dense Llama / Qwen2 decoder layer
     g_i = final_norm(x)                               # fed back as h at the next recursive step
     logits = lm_head(g_i)                             # the target's lm_head, shared (or compressed)
+
+**Aux layers** (EAGLE-3's multi-layer features, for targets without an MTP layer): with
+``aux_hidden_states`` set, the head's input from the target is the concatenation of the residual
+streams a_1..a_n of some of its middle layers and its post-norm last hidden state, [B, S, (n+1) H];
+each a_i gets its own RMSNorm (residual streams are not normalised and their scales differ by
+orders of magnitude) and ``fc`` maps the concatenation to H. The recursion feeds back the head's
+own output (width H), which skips ``fc``: the input width tells the two apart. A new ``fc`` is
+[0 .. 0 | I], so a fused head starts as exactly the last-layer head it was made from.
 
 The embedding and lm_head belong to the target: they are held by reference, outside the module
 tree, so ``state_dict()`` holds exactly the tensors a draft directory stores.
@@ -46,6 +55,9 @@ class HeadConfig:
     attention_bias: bool = False  # llama only: bias on q, k, v and o (qwen2: q, k, v always)
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    # indices into transformers' ``output_hidden_states`` tuple of the target (i = the residual
+    # stream leaving decoder layer i-1, 1 <= i < num_layers) fused with its last hidden state
+    aux_hidden_states: tuple[int, ...] = ()
     # the HF config dict the rotary embedding is built from (rope_theta / rope_scaling / ...)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -56,6 +68,11 @@ class HeadConfig:
             raise DraftFormatError(f"unknown block {self.block!r}; expected one of {BLOCKS}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.aux_hidden_states = tuple(int(i) for i in self.aux_hidden_states)
+        if any(i < 1 for i in self.aux_hidden_states) or len(set(self.aux_hidden_states)) != len(
+                self.aux_hidden_states):
+            raise DraftFormatError(f"aux_hidden_states must be distinct layer indices >= 1, got "
+                                   f"{list(self.aux_hidden_states)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DraftFormatError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -69,6 +86,11 @@ class HeadConfig:
     @property
     def o_bias(self) -> bool:
         return False if self.block == "qwen2" else self.attention_bias
+
+    @property
+    def input_width(self) -> int:
+        """Width of the hidden input the head takes from the target (step 1, draft extend)."""
+        return self.hidden_size * (len(self.aux_hidden_states) + 1)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "HeadConfig":
@@ -95,10 +117,21 @@ class HeadConfig:
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 hidden_act=cfg.get("hidden_act", "silu"),
+                aux_hidden_states=tuple(meta.get("aux_hidden_states") or ()),
                 hf_config=dict(cfg),
             )
         except KeyError as exc:
             raise DraftFormatError(f"config.json lacks the key {exc.args[0]!r}") from None
+
+
+def head_input(out, aux: tuple[int, ...]) -> torch.Tensor:
+    """The head's input from a transformers base-model output: its ``last_hidden_state``
+    [B, S, H], or with aux layers (the forward ran with ``output_hidden_states=True``)
+    cat[hidden_states[i] for i in aux] + [last_hidden_state]: [B, S, (n+1) H]."""
+    if not aux:
+        return out.last_hidden_state
+    hs = out.hidden_states
+    return torch.cat([hs[i] for i in aux] + [out.last_hidden_state], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -323,6 +356,13 @@ class FastMTPHead(nn.Module):
         else:
             self.e_proj = nn.Linear(h, h, bias=False)
             self.h_proj = nn.Linear(h, h, bias=False)
+        if cfg.aux_hidden_states:
+            n = len(cfg.aux_hidden_states)
+            self.aux_norms = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in range(n))
+            self.fc = nn.Linear((n + 1) * h, h, bias=False)
+            with torch.no_grad():  # [0 .. 0 | I]: starts as the last-layer head
+                self.fc.weight.zero_()
+                self.fc.weight[:, n * h:].copy_(torch.eye(h))
         self.layer = DecoderLayer(cfg)
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
         # kept outside the module tree so .to(bf16) leaves inv_freq in fp32, as the target has it
@@ -357,9 +397,23 @@ class FastMTPHead(nn.Module):
                            dtype or p.dtype, device or p.device)
 
     # -- maths ----------------------------------------------------------------------------
+    def fuse_aux(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's [B, S, (n+1) H] (aux layers, then the last hidden state) -> [B, S, H];
+        a hidden state of width H (the head's own, at recursive steps) passes unchanged."""
+        h = self.cfg.hidden_size
+        if hidden.shape[-1] == h:
+            return hidden
+        if not self.cfg.aux_hidden_states or hidden.shape[-1] != self.cfg.input_width:
+            raise ValueError(f"hidden input of width {hidden.shape[-1]}; this head takes {h} or "
+                             f"{self.cfg.input_width} (aux layers {list(self.cfg.aux_hidden_states)})")
+        parts = list(hidden.split(h, dim=-1))
+        parts = [norm(a) for norm, a in zip(self.aux_norms, parts[:-1])] + [parts[-1]]
+        return self.fc(torch.cat(parts, dim=-1))
+
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """The layout's input projection. hidden, embeds: [B, S, H] -> [B, S, H]."""
-        h, e = self.hnorm(hidden), self.enorm(embeds)
+        """The layout's input projection. hidden [B, S, H] (or the target's [B, S, (n+1) H] with
+        aux layers), embeds [B, S, H] -> [B, S, H]."""
+        h, e = self.hnorm(self.fuse_aux(hidden)), self.enorm(embeds)
         if self.cfg.layout == "mimo":
             return self.input_proj(torch.cat([h, e], dim=-1))
         if self.cfg.layout == "deepseek":

@@ -139,6 +139,11 @@ def require_fits(draft_config: dict[str, Any], target_config: dict[str, Any],
     rows = check_fits(draft_config, target_config, tokenizer)
     bad = [f"{name}: {detail}" for name, ok, detail in rows
            if not ok and name in ("hidden_size", "vocab_size")]
+    aux = (draft_config.get("fastmtp") or {}).get("aux_hidden_states") or []
+    layers = int(target_config.get("num_hidden_layers") or 0)
+    if aux and layers and not all(1 <= int(i) < layers for i in aux):
+        bad.append(f"aux_hidden_states {list(aux)}: the target has {layers} decoder layers "
+                   f"(the draft reads the streams leaving layers 1..{layers - 1})")
     if bad:
         raise MismatchError(f"{where} does not fit the target: " + "; ".join(bad))
     foreign = [f"{name}: {detail}" for name, ok, detail in rows if not ok and name in BASE_CHECKS]

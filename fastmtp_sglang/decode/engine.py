@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
@@ -114,11 +114,14 @@ class ReferenceEngine:
             raise RequestError(f"input_ids must lie in [0, {vocab})")
 
     # -- target calls -----------------------------------------------------------------------
-    def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        """ids, pos [B, S]; mask [B, slots + S] -> post-norm hidden [B, S, H]."""
+    def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, pos [B, S]; mask [B, slots + S] -> (post-norm hidden [B, S, H], the head's input
+        from the target: the same tensor, or [B, S, (n+1) H] for a head with n aux layers)."""
+        aux = self.head.cfg.aux_hidden_states if self.head is not None else ()
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                               past_key_values=cache, use_cache=True)
-        return out.last_hidden_state
+                               past_key_values=cache, use_cache=True, output_hidden_states=bool(aux))
+        return out.last_hidden_state, head_input(out, aux)
 
     # -- the loop ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -197,7 +200,7 @@ class ReferenceEngine:
         ar = torch.arange(L, device=dev)
         b.valid = ar[None] < lens[:, None]                    # [B, slots] target KV slots in use
         b.cache = DynamicCache()
-        hidden = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)   # [B, L, H]
+        hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
         b.pending, _ = b.pick(self.target.lm_head(last_h).float())        # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
@@ -207,7 +210,7 @@ class ReferenceEngine:
             nxt[torch.arange(B, device=dev), lens - 1] = b.pending
             max_len = self.max_context + K + 2
             b.dcache = self.head.new_cache(B, max_len, device=dev)
-            g, _ = self.head(hidden, nxt, ar[None].expand(B, L), b.dcache, return_logits=False)
+            g, _ = self.head(feats, nxt, ar[None].expand(B, L), b.dcache, return_logits=False)
             b.g = g[torch.arange(B, device=dev), lens - 1]                            # [B, H]
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
                 b.tidx, b.extra = self.draft_vocab.choose(ids, b.valid)
@@ -302,7 +305,8 @@ class ReferenceEngine:
 
     def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
         """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
-        returns (target hidden [n, Kc+1, H], positions [n, Kc+1], accepted [n], emitted [n, Kc+1]).
+        returns (the head's input from the target [n, Kc+1, H or (n_aux+1) H], positions
+        [n, Kc+1], accepted [n], emitted [n, Kc+1]).
         Row i accepts at most ``room[i]`` (<= Kc) drafts: what still fits its context."""
         dev, n = self.device, len(b)
         vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
@@ -310,7 +314,7 @@ class ReferenceEngine:
         # accepted: their positions are clamped into the context (rotary tables end there)
         vpos = (b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]).clamp(max=self.max_context - 1)
         b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
-        vh = self._target(vin, vpos, b.valid.long(), b.cache)                         # [n, Kc+1, H]
+        vh, vf = self._target(vin, vpos, b.valid.long(), b.cache)                     # [n, Kc+1, H]
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
         cap = room.tolist()
         if b.greedy:
@@ -338,7 +342,7 @@ class ReferenceEngine:
             b.cache.crop(used - b.valid.shape[1])  # negative: drop that many trailing slots
             b.valid = b.valid[:, :used]
         b.repack()  # a long-lived batch: keep its holes bounded
-        return vh, vpos, acc, emitted
+        return vf, vpos, acc, emitted
 
     def _draft_extend(self, b: Batch, drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
                       acc: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,11 @@ def read_fastmtp_config(draft: str | os.PathLike) -> dict:
     if "fastmtp" not in cfg:
         raise FastMTPError(f"{draft} is not a FastMTP draft directory (its config.json has no "
                            "'fastmtp' block); make one with `fastmtp convert` or `fastmtp init-head`")
+    aux = cfg["fastmtp"].get("aux_hidden_states")
+    if aux:  # the SGLang and vLLM model classes read the last hidden state only
+        raise FastMTPError(f"{draft} reads the target's middle layers {aux} (aux_hidden_states): "
+                           "serving such a head in SGLang or vLLM is not built yet; serve it with "
+                           "the reference engine (`fastmtp serve --engine reference`)")
     return cfg
 
 

@@ -142,8 +142,12 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
         draft_vocab = resolve_vocab(arm0.vocab, target.tokenizer, target.lm_head)
     feats = Path(features) if features else out / "features"
     need_topk = max((a.cfg.kl_topk for a in arms), default=0)
+    from fastmtp_sglang.core.draft_dir import read_config
+    from fastmtp_sglang.core.head import HeadConfig
+
+    aux = HeadConfig.from_dict(read_config(init)).aux_hidden_states  # a fused head's middle layers
     store = open_or_build(target, target_dir, data, examples, feats, cfg0.max_len, None,
-                          feature_dtype, need_topk, progress)
+                          feature_dtype, need_topk, progress, aux_layers=aux)
     dev = []
     if dev_prompts:
         from fastmtp_sglang.core.prompts import load_prompt_ids

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.head import head_input
 
 LENGTH_SPAN = 50  # group_by_length sorts spans of this many batches
 
@@ -190,8 +191,9 @@ class HiddenStates:
     in: a resumed run sees bit-identical inputs.
     """
 
-    def __init__(self, model: nn.Module, cache_bytes: float = 0):
+    def __init__(self, model: nn.Module, cache_bytes: float = 0, aux_layers: tuple[int, ...] = ()):
         self.model = model
+        self.aux = tuple(aux_layers)  # a fused head's middle layers (core.head.head_input)
         self.device = next(model.parameters()).device
         self.cache: dict[int, torch.Tensor] = {}
         self.budget = cache_bytes
@@ -199,11 +201,12 @@ class HiddenStates:
 
     @torch.no_grad()
     def __call__(self, index: int, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> hidden [T, H]."""
+        """ids [T] -> hidden [T, H] (or [T, (n+1) H] with n aux layers)."""
         h = self.cache.get(index)
         if h is not None:
             return h
-        h = self.model.model(input_ids=ids[None].to(self.device)).last_hidden_state[0]
+        out = self.model.model(input_ids=ids[None].to(self.device), output_hidden_states=bool(self.aux))
+        h = head_input(out, self.aux)[0]
         size = h.numel() * h.element_size()
         if self.used + size <= self.budget:
             self.cache[index] = h

@@ -8,7 +8,9 @@ sequence in every epoch (its in-memory cache only helps while the data fits in R
 per token of every usable sequence:
 
 - ``hidden``: the target's post-norm last hidden state, in ``--feature-dtype`` (bf16 default:
-  what the head reads; its own maths stays in fp32);
+  what the head reads; its own maths stays in fp32); with ``--aux-layers`` (a head that fuses
+  middle layers, see core/head.py) the residual streams of those layers first, then the last
+  hidden state: [N, (n+1) H];
 - with ``--topk k > 0``: the target's top-k next-token log-probabilities (fp16) and their ids
   (int32), so ``--loss kl`` needs no second lm_head product per step (see objective.kl_topk_terms).
 
@@ -32,13 +34,14 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.head import head_input
 from fastmtp_sglang.training.data import file_sha256
 
 FORMAT = 1
@@ -57,10 +60,12 @@ class FeatureKey:
     max_sequences: int | None
     dtype: str
     topk: int
+    aux_layers: list[int] = field(default_factory=list)  # caches from before aux layers: []
 
     def diff(self, other: dict[str, Any]) -> list[str]:
-        return [f"{k}: cache {other.get(k)!r}, now {v!r}" for k, v in asdict(self).items()
-                if other.get(k) != v]
+        have = {"aux_layers": [], **other}
+        return [f"{k}: cache {have.get(k)!r}, now {v!r}" for k, v in asdict(self).items()
+                if have.get(k) != v]
 
 
 def weights_sha256(target_dir: str | Path) -> str:
@@ -81,7 +86,8 @@ def weights_sha256(target_dir: str | Path) -> str:
 
 
 def make_key(target, target_dir: str | Path, data: str | Path, max_len: int,
-             max_sequences: int | None, dtype: str, topk: int) -> FeatureKey:
+             max_sequences: int | None, dtype: str, topk: int,
+             aux_layers: tuple[int, ...] | list[int] = ()) -> FeatureKey:
     from fastmtp_sglang.core.identity import config_hash, tokenizer_hash
 
     if dtype not in FEATURE_DTYPES:
@@ -90,11 +96,12 @@ def make_key(target, target_dir: str | Path, data: str | Path, max_len: int,
         raise FastMTPError(f"--topk must be >= 0 (0 = no logits stored), got {topk}")
     return FeatureKey(file_sha256(Path(data)), weights_sha256(target_dir), config_hash(target.config),
                       tokenizer_hash(target.tokenizer) if target.tokenizer is not None else None,
-                      max_len, max_sequences, dtype, topk)
+                      max_len, max_sequences, dtype, topk, [int(i) for i in aux_layers])
 
 
 class FeatureStore:
-    """Read side: ``store(i)`` -> hidden [T_i, H] of row i; ``store.topk(i)`` -> (ids, logp)."""
+    """Read side: ``store(i)`` -> hidden [T_i, H] (or [T_i, (n+1) H] with n aux layers) of row
+    i; ``store.topk(i)`` -> (ids, logp)."""
 
     def __init__(self, path: str | Path, key: FeatureKey | None = None):
         from safetensors import safe_open
@@ -203,6 +210,8 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     _check_disk(part, examples, target, key)
 
     H = int(target.config["hidden_size"])
+    aux = tuple(key.aux_layers)
+    width = H * (len(aux) + 1)
     fdt = FEATURE_DTYPES[key.dtype]
     model = target.model
     device = next(model.parameters()).device
@@ -212,7 +221,7 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     # with the forward's large transient allocations fragmented the heap (RSS reached 22 GB at
     # 0.9M tokens of a 1.75M-token build, for ~1 GB of kept features).
     cap = min(SHARD_TOKENS, max(total_tokens, 1))
-    buf_h = torch.empty(cap, H, dtype=fdt)
+    buf_h = torch.empty(cap, width, dtype=fdt)
     buf_ids = torch.empty(cap, key.topk, dtype=torch.int32) if key.topk else None
     buf_lp = torch.empty(cap, key.topk, dtype=torch.float16) if key.topk else None
     buf_rows: list[tuple[int, int, int]] = []  # (row, offset, length) in the shard being filled
@@ -257,7 +266,8 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                 n = len(examples[r].ids)
                 ids[b, :n] = examples[r].ids
                 mask[b, :n] = 1
-            hs = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            hs = head_input(model.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                        output_hidden_states=bool(aux)), aux)
             groups += 1
             if groups % 16 == 0:
                 _trim_heap()
@@ -268,7 +278,7 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                     flush()
                 buf_h[filled:filled + n] = h
                 if key.topk:
-                    lp = torch.log_softmax(target.lm_head(h).float(), dim=-1)
+                    lp = torch.log_softmax(target.lm_head(h[:, -H:]).float(), dim=-1)
                     top = lp.topk(key.topk, dim=-1)
                     buf_ids[filled:filled + n] = top.indices
                     buf_lp[filled:filled + n] = top.values
@@ -277,7 +287,8 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                 filled += n
                 bar.update(n)
         flush()
-    index = {"format": FORMAT, "key": asdict(key), "hidden_size": H, "shards": done_shards,
+    index = {"format": FORMAT, "key": asdict(key), "hidden_size": H, "width": width,
+             "shards": done_shards,
              "rows": rows, "tokens": sum(s["tokens"] for s in done_shards),
              "build_seconds": round(time.perf_counter() - t0, 1)}
     _write_json(part / INDEX, index)
@@ -298,7 +309,8 @@ def _write_json(path: Path, obj: Any) -> None:
 def _check_disk(where: Path, examples, target, key: FeatureKey) -> None:
     """Refuse to start a build that cannot fit on the disk (with the numbers)."""
     tokens = sum(len(e.ids) for e in examples)
-    per_tok = int(target.config["hidden_size"]) * FEATURE_DTYPES[key.dtype].itemsize + key.topk * 6
+    per_tok = (int(target.config["hidden_size"]) * (len(key.aux_layers) + 1)
+               * FEATURE_DTYPES[key.dtype].itemsize + key.topk * 6)
     need = tokens * per_tok
     free = shutil.disk_usage(where).free
     if need > 0.95 * free:
@@ -309,9 +321,9 @@ def _check_disk(where: Path, examples, target, key: FeatureKey) -> None:
 
 def open_or_build(target, target_dir, data, examples, path, max_len: int,
                   max_sequences: int | None, dtype: str = "bfloat16", topk: int = 0,
-                  progress: bool = True, log=None) -> FeatureStore:
+                  progress: bool = True, log=None, aux_layers: tuple[int, ...] = ()) -> FeatureStore:
     """The store at ``path`` for these inputs: opened when its key matches, built when missing."""
-    key = make_key(target, target_dir, data, max_len, max_sequences, dtype, topk)
+    key = make_key(target, target_dir, data, max_len, max_sequences, dtype, topk, aux_layers)
     if (Path(path) / INDEX).is_file():
         return FeatureStore(path, key)
     return build_features(target, examples, path, key, progress=progress, log=log)

@@ -10,6 +10,11 @@ of x_{i+1}. The default init (``lstsq``) fits the input projection by ridge regr
 residual stream, i.e. as close to a next-next-token predictor as a linear map allows. Positions
 shift by one uniformly, which rotary attention does not see. Alternatives for comparison:
 ``hidden`` (x = h_i) and ``embed`` (x = e_{i+1}).
+
+``--aux-layers 3,15`` makes a head that also reads those middle layers of the target (EAGLE-3's
+multi-layer features; core/head.py): the same init plus ``fc`` = [0 .. 0 | I] and unit aux
+norms, so it starts as exactly the last-layer head. ``--from DRAFT`` takes the other weights
+from an existing draft directory instead of fitting them (an ablation from the same start).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.core.head import MODEL_TYPE_TO_BLOCK, FastMTPHead, HeadConfig
+from fastmtp_sglang.core.head import MODEL_TYPE_TO_BLOCK, FastMTPHead, HeadConfig, head_input
 from fastmtp_sglang.core.identity import target_identity
 from fastmtp_sglang.core.target import Target, load_target
 
@@ -124,7 +129,8 @@ def step1_accuracy(target: Target, head: FastMTPHead, num_tokens: int = 2048, ch
     hits = total = 0
     for c in range(len(ids) // chunk):
         x = ids[c * chunk:(c + 1) * chunk][None]
-        hidden = target.model.model(input_ids=x).last_hidden_state
+        aux = head.cfg.aux_hidden_states
+        hidden = head_input(target.model.model(input_ids=x, output_hidden_states=bool(aux)), aux)
         pos = torch.arange(chunk - 2)[None]
         _, logits = head(hidden[:, :-2], x[:, 1:-1], pos)
         hits += int((logits.argmax(-1) == x[:, 2:]).sum())
@@ -132,16 +138,53 @@ def step1_accuracy(target: Target, head: FastMTPHead, num_tokens: int = 2048, ch
     return hits / max(total, 1)
 
 
+def add_aux_layers(head_cfg: HeadConfig, sd: dict[str, torch.Tensor], aux: list[int],
+                   num_layers: int) -> HeadConfig:
+    """Give a head's state dict (in place) the fused input of ``aux`` middle layers: ``fc`` =
+    [0 .. 0 | I] and unit aux norms, the identity on the last hidden state. Returns the config."""
+    from dataclasses import replace
+
+    bad = [i for i in aux if not 1 <= i < num_layers]
+    if bad or len(set(aux)) != len(aux):
+        raise FastMTPError(f"--aux-layers {aux}: give distinct middle layers 1 <= i < {num_layers} "
+                           "(i = the residual stream leaving decoder layer i-1)")
+    cfg = replace(head_cfg, aux_hidden_states=tuple(aux))
+    h, n = cfg.hidden_size, len(aux)
+    fc = torch.zeros(h, (n + 1) * h)
+    fc[:, n * h:] = torch.eye(h)
+    sd["fc.weight"] = fc
+    sd.update({f"aux_norms.{j}.weight": torch.ones(h) for j in range(n)})
+    return cfg
+
+
 def init_head(target_path: str | Path, out: str | Path, layout: str = "deepseek",
               method: str = "lstsq", calib_tokens: int = 16384, dtype: str = "bfloat16",
-              overwrite: bool = False, evaluate: bool = True, target: Target | None = None) -> Path:
+              overwrite: bool = False, evaluate: bool = True, target: Target | None = None,
+              aux_layers: list[int] | None = None, from_draft: str | Path | None = None) -> Path:
     if method not in INIT_METHODS:
         raise FastMTPError(f"unknown --init-proj {method!r}; choose one of {', '.join(INIT_METHODS)}")
     out = Path(out)
     if out.exists() and not overwrite:  # fail before the expensive part
         raise FastMTPError(f"{out} already exists; choose another output path or pass --overwrite")
     target = target or load_target(target_path, dtype="float32")
-    head_cfg, sd, info = init_state_dict(target, layout, method, calib_tokens)
+    if from_draft is not None:
+        from fastmtp_sglang.core.draft_dir import load_draft_dir
+        from fastmtp_sglang.core.target import require_fits
+
+        src = load_draft_dir(from_draft)
+        require_fits(src.config, target.config, target.tokenizer, where=str(from_draft))
+        if src.head_config.aux_hidden_states:
+            raise FastMTPError(f"{from_draft} already reads aux layers "
+                               f"{list(src.head_config.aux_hidden_states)}")
+        layout = src.head_config.layout
+        head_cfg = src.head_config
+        sd = {k: v.float() for k, v in src.state_dict.items()}
+        info = {**(src.meta.get("init") or {}), "from": str(from_draft)}
+    else:
+        head_cfg, sd, info = init_state_dict(target, layout, method, calib_tokens)
+    if aux_layers:
+        head_cfg = add_aux_layers(head_cfg, sd, list(aux_layers),
+                                  int(target.config.get("num_hidden_layers") or 0))
     if evaluate and target.tokenizer is not None:
         head = FastMTPHead(head_cfg, target.embed, target.lm_head)
         head.load_state_dict(sd)
@@ -149,6 +192,8 @@ def init_head(target_path: str | Path, out: str | Path, layout: str = "deepseek"
         print(f"init-head: step-1 top-1 accuracy on held-out calibration text: "
               f"{info['heldout_step1_top1']:.3f} ({method})", file=sys.stderr)
     ident = target_identity(target.name, target.config, target.tokenizer)
-    cfg = make_draft_config(target.config, layout, base_model=ident, dtype=dtype,
-                            extra={"init": info})
+    extra: dict[str, Any] = {"init": info}
+    if aux_layers:
+        extra["aux_hidden_states"] = list(head_cfg.aux_hidden_states)
+    cfg = make_draft_config(target.config, layout, base_model=ident, dtype=dtype, extra=extra)
     return save_draft_dir(out, cfg, sd, overwrite=overwrite)

@@ -46,7 +46,8 @@ def unroll(head: FastMTPHead, hidden: torch.Tensor, input_ids: torch.Tensor, ste
 
     Parameters
     ----------
-    hidden : [B, T, H] the target's post-norm hidden states h_0..h_{T-1}.
+    hidden : [B, T, H] the target's post-norm hidden states h_0..h_{T-1} ([B, T, (n+1) H] for a
+        head with n aux layers: see core/head.py).
     input_ids : [B, T] the tokens x_0..x_{T-1} (right-padded; padding never reaches a real
         anchor: every key a real query sees belongs to an earlier or the same anchor).
     steps : K.
@@ -224,7 +225,8 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
         if "kl" in kind and batch.topk_ids is not None:                     # cached top-k at j+k
             tk = (shift_left(batch.topk_ids, k)[sel], shift_left(batch.topk_logp, k)[sel])
         elif "kl" in kind:
-            th = shift_left(batch.hidden, k)[sel]                           # h_{j+k} predicts x_{j+k+1}
+            # h_{j+k} predicts x_{j+k+1} (the last H columns: a fused head's input starts with aux layers)
+            th = shift_left(batch.hidden[..., -g.shape[-1]:], k)[sel]
         ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
         n = int(sel.sum())
         n_in = int((lab >= 0).sum())
@@ -326,7 +328,7 @@ def evaluate(head: FastMTPHead, hidden_fn, examples: list[tuple[int, Example]], 
 def training_tau(head: FastMTPHead, target, examples: list[Example], steps: int,
                  vocab_ids: torch.Tensor | None = None, batch_size: int = 4) -> dict[str, Any]:
     """Training-time tau of a head on examples (for benchmarks: compare with served tau)."""
-    hs = HiddenStates(target.model)
+    hs = HiddenStates(target.model, aux_layers=head.cfg.aux_hidden_states)
     return evaluate(head, hs, list(enumerate(examples)), Projection(target.lm_head, vocab_ids),
                     steps, batch_size)
 

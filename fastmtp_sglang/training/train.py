@@ -118,7 +118,8 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     state = _check_start(cfg, out, init, resume, overwrite)
     draft, head, proj = _load_head(target, init, resume, state, vocab_ids, allow_base_mismatch)
     ds = _load_data(cfg, target, data, proj, state)
-    feed = _feature_source(cfg, target, ds, state, features, target_dir, feature_dtype, progress)
+    feed = _feature_source(cfg, target, ds, state, features, target_dir, feature_dtype, progress,
+                           head.cfg.aux_hidden_states)
     run = _new_run(cfg, out, init, draft, head, proj, ds, feed, vocab_name)
     _restore_or_seed(run, state, resume)
     _announce(run, fresh=state is None)
@@ -202,7 +203,7 @@ def _load_data(cfg: TrainConfig, target, data: Path, proj: Projection,
 
 def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, Any] | None,
                     features: str | Path | None, target_dir: str | Path | None, feature_dtype: str,
-                    progress: bool) -> _Feed:
+                    progress: bool, aux: tuple[int, ...] = ()) -> _Feed:
     """The feature cache (opened, or built when missing; a resumed run reuses its checkpoint's),
     else the target run per sequence with an in-memory cache of ``cfg.cache_hidden_gb``."""
     if state is not None and state.get("features"):
@@ -218,11 +219,11 @@ def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, An
             raise FastMTPError("a feature cache needs the target's directory (target_dir)")
         need_topk = cfg.kl_topk if "kl" in cfg.loss else 0
         store = open_or_build(target, target_dir, ds.path, ds.examples, features, cfg.max_len,
-                              cfg.max_sequences, feature_dtype, need_topk, progress)
+                              cfg.max_sequences, feature_dtype, need_topk, progress, aux_layers=aux)
         if len(store) < len(ds.examples):
             raise FastMTPError(f"feature cache {features} holds {len(store)} sequences, the data "
                                f"{len(ds.examples)}: rebuild it")
-    hidden_fn = store if store is not None else HiddenStates(target.model, cfg.cache_hidden_gb * 1e9)
+    hidden_fn = store if store is not None else HiddenStates(target.model, cfg.cache_hidden_gb * 1e9, aux)
     use_topk = store is not None and cfg.kl_topk > 0 and "kl" in cfg.loss
 
     def topks_of(idxs: list[int]):
@@ -367,10 +368,8 @@ def _evaluate_heldout(run: RunState, feed: _Feed, held: list[tuple[int, Any]]) -
     """Training-time tau on the held-out rows: logged (``event: eval`` with its optimizer step,
     the learning curve in steps) and printed."""
     cfg = run.cfg
-    was_training = run.head.training
     run.last_eval = evaluate(run.head, feed.hidden_fn, held, run.proj, cfg.steps, cfg.batch_size,
                              cfg.ce_chunk)
-    run.head.train(was_training)
     last_eval = run.last_eval
     epoch = run.epoch + run.batch_pos / max(run.n_batches, 1)
     run.log({"event": "eval", "epoch": round(epoch, 4), "step": run.global_step, **last_eval})
