@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     p.add_argument("--ns", default="1,2,3,4,5,6,8", help="new tokens per forward (default 1,2,3,4,5,6,8)")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache (default 200)")
+    p.add_argument("--batch", type=int, default=1, help="rows per forward, each with its own "
+                   "--context cache (default 1; continuous batching serves 4-16)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per shape (median; default 15)")
+    p.add_argument("--stock", action="store_true", help="also time transformers' own DynamicCache "
+                   "and sdpa attention (the engine before decode/slot_cache.py), interleaved")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     if args.target is None:
@@ -76,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft != "none":
             head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
             vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", args.draft)
-        curve = measure(target, head, vocab, ns=ns, context=args.context, repeats=args.repeats)
-        curves[dtype] = curve.to_json()
-        tables[dtype] = markdown(curve)
-        print(tables[dtype])
+        variants = [("", False)] + ([(" stock", True), (" again", False)] if args.stock else [])
+        for suffix, stock in variants:  # lean, stock, lean again: drift shows as lean != again
+            curve = measure(target, head, vocab, ns=ns, context=args.context, repeats=args.repeats,
+                            batch=args.batch, stock=stock)
+            curves[dtype + suffix] = curve.to_json()
+            tables[dtype + suffix] = markdown(curve)
+            print(f"{dtype}{suffix}\n{tables[dtype + suffix]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "target": args.target,

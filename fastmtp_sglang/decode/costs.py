@@ -102,23 +102,43 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 @torch.inference_mode()
 def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
             context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512,
-            batch: int = 1) -> CostCurve:
+            batch: int = 1, stock: bool = False) -> CostCurve:
     """Time the calls of one speculative cycle at batch ``batch`` (see the module docstring).
 
     ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
     target's costs); ``draft_vocab``: the DraftVocab the engine drafts over, or None (full
     vocabulary). ``ns``: the numbers of new tokens per target forward (1 = a plain step);
     ``bandwidth_mib``: size of the buffer the read bandwidth is measured on; ``batch``: rows
-    per call (every row a ``context``-token cache, as a batch of that many requests)."""
+    per call (every row a ``context``-token cache, as a batch of that many requests);
+    ``stock``: time transformers' own DynamicCache and sdpa attention instead of the engine's
+    in-place slots and GQA attention (decode/slot_cache.py), for a side-by-side comparison."""
     from transformers import DynamicCache
 
+    from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa
+
+    model = target.model
+    prev_attn = model.config._attn_implementation
+    if stock:
+        if prev_attn == ATTN_NAME:
+            model.set_attn_implementation("sdpa")
+    else:
+        use_gqa_sdpa(model)
+    try:
+        return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
+                        batch, DynamicCache() if stock else SlotCache())
+    finally:
+        if model.config._attn_implementation != prev_attn:
+            model.set_attn_implementation(prev_attn)
+
+
+def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib, batch,
+             cache) -> CostCurve:
     model, dev = target.model, next(target.model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = int(target.lm_head.weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     B = batch
     ids = torch.randint(0, vocab, (B, context + max(ns)), generator=gen).to(dev)
-    cache = DynamicCache()
     out = model.model(input_ids=ids[:, :context],
                       position_ids=torch.arange(context, device=dev)[None].expand(B, -1),
                       attention_mask=torch.ones(B, context, dtype=torch.long, device=dev),

@@ -33,6 +33,7 @@ import torch
 from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
+from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
 
@@ -95,6 +96,8 @@ class ReferenceEngine:
         self.drafter = drafter  # fastmtp_sglang.decode.ngram.NgramDrafter: drafts without a model
         self.target, self.head, self.steps = target, head, steps
         self.model = target.model
+        # grouped key/value heads read in place under a mask (same numbers; decode/slot_cache.py)
+        use_gqa_sdpa(self.model)
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
@@ -186,7 +189,6 @@ class ReferenceEngine:
     def _prefill(self, requests: list[Request], keys: list, on_tokens) -> Batch:
         """Target forward over the prompts (and the head's draft extend over them); emits each
         row's first token."""
-        from transformers import DynamicCache
 
         dev, K = self.device, self.steps
         b = Batch(self, requests, keys)
@@ -199,7 +201,7 @@ class ReferenceEngine:
             ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids, device=dev)
         ar = torch.arange(L, device=dev)
         b.valid = ar[None] < lens[:, None]                    # [B, slots] target KV slots in use
-        b.cache = DynamicCache()
+        b.cache = SlotCache()  # in-place slots (decode/slot_cache.py)
         hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
         b.pending, _ = b.pick(self.target.lm_head(last_h).float())        # [B]
