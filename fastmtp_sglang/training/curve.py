@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.decode.costs import cpu_description
 from fastmtp_sglang.training.checkpoints import load_trainer_state
 from fastmtp_sglang.training.config import TrainConfig
 from fastmtp_sglang.training.data import load_examples
@@ -195,7 +196,7 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
                                  "data": data, "heldout_rows": heldout_rows,
                                  "serve_steps": serve_steps, "dev_prompts": dev_prompts,
                                  "dev_per_category": dev_per_category,
-                                 "available_tokens": available})
+                                 "available_tokens": available, "cpu": cpu_description()})
             print(f"curve: {arm.name} @ {n}: held-out tau_walk {ev['tau_walk']:.3f}"
                   + (f", served tau {point['served_tau']}" if dev else ""), file=sys.stderr)
     if not points:
@@ -209,7 +210,9 @@ def markdown(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# Learning curve", "", f"Command: `{meta['command']}`", "",
              f"Held-out: the last {meta['heldout_rows']} rows of `{meta['data']}` (in no prefix); "
              f"served: reference engine, greedy, `{meta['dev_prompts']}` "
-             f"({meta['dev_per_category']} per category).", "",
+             f"({meta['dev_per_category']} per category)."
+             + (f" CPU: {meta['cpu']['model']} ({', '.join(meta['cpu']['flags'])}), "
+                f"{meta['cpu']['threads']} threads." if meta.get("cpu") else ""), "",
              "| arm | response tokens | rows | optimizer steps | train s | held-out tau_walk | "
              "held-out tau_train | A_k (%) | " + " | ".join(f"served tau K={k}" for k in ks) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(ks)]
