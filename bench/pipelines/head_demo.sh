@@ -7,6 +7,8 @@
 #   ARMS="fastmtp vanilla" LOSS=kl LR=1e-3 POINTS=400000,1000000 bash bench/pipelines/head_demo.sh
 #   POINTS=1300000 EPOCHS=4 LR=6e-3 EVAL_EVERY=250 RESULTS=bench/results/head_steps \
 #       bash bench/pipelines/head_demo.sh runs/demo-pipeline-v2 runs/demo-pipeline-v2/head-steps
+#   INIT=D_TRAINED POINTS=1290000 EPOCHS=1 LR=3e-3 ...   # a warm restart from a trained head; link
+#       data.jsonl, features/ and table/ from the first run's OUT to reuse its feature cache
 #
 # Layout as bench/pipelines/curve_demo.sh and bench/pipelines/ablation.sh: the first 200 rows of distill.jsonl are
 # the held-out rows, the training prefixes start after them, so the points here continue the
@@ -26,6 +28,7 @@ EPOCHS=${EPOCHS:-2}
 SIZE=${SIZE:-16384}
 EVAL_EVERY=${EVAL_EVERY:-0}   # optimizer steps between held-out scores (the curve in steps); 0 = per epoch
 RESULTS=${RESULTS:-bench/results/head_demo}
+INIT=${INIT:-}                # a trained head to continue from (a warm restart); default: the pipeline's init head
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
@@ -53,7 +56,7 @@ for a in $ARMS; do
         *) echo "ARMS holds fastmtp and/or vanilla" >&2; exit 1 ;;
     esac
 done
-"$BIN/fastmtp" curve --target "$T" --init "$W/init" --data "$OUT/data.jsonl" --out "$OUT" \
+"$BIN/fastmtp" curve --target "$T" --init "${INIT:-$W/init}" --data "$OUT/data.jsonl" --out "$OUT" \
     --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
     --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
     -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16 \

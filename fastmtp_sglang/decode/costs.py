@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
+from fastmtp_sglang.decode.packed_linear import is_packed, pack_for_inference, pack_linears, unpack_linears
 
 
 def cpu_description() -> dict[str, Any]:
@@ -72,6 +73,7 @@ class CostCurve:
     extend_ms: dict[int, float] = field(default_factory=dict)   # head over n target positions
     spread: dict[str, float] = field(default_factory=dict)      # (max - min) / median per shape
     batch: int = 1                              # rows per call
+    packed_linear: bool = False                 # linear layers on prepared oneDNN weights
 
     @property
     def plain_ms(self) -> float:
@@ -110,25 +112,32 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     vocabulary). ``ns``: the numbers of new tokens per target forward (1 = a plain step);
     ``bandwidth_mib``: size of the buffer the read bandwidth is measured on; ``batch``: rows
     per call (every row a ``context``-token cache, as a batch of that many requests);
-    ``stock``: time transformers' own DynamicCache and sdpa attention instead of the engine's
-    in-place slots and GQA attention (decode/slot_cache.py), for a side-by-side comparison."""
+    ``stock``: time transformers' own DynamicCache, sdpa attention and linear layers instead of
+    the engine's in-place slots, GQA attention (decode/slot_cache.py) and prepared bf16 weights
+    (decode/packed_linear.py), for a side-by-side comparison."""
     from transformers import DynamicCache
 
     from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa
 
     model = target.model
     prev_attn = model.config._attn_implementation
+    was_packed = [m for m in (model, head) if m is not None and is_packed(m)]
     if stock:
         if prev_attn == ATTN_NAME:
             model.set_attn_implementation("sdpa")
+        for m in was_packed:
+            unpack_linears(m)
     else:
         use_gqa_sdpa(model)
+        pack_for_inference(model, head)
     try:
         return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
                         batch, DynamicCache() if stock else SlotCache())
     finally:
         if model.config._attn_implementation != prev_attn:
             model.set_attn_implementation(prev_attn)
+        for m in was_packed:
+            pack_linears(m)
 
 
 def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib, batch,
@@ -195,7 +204,7 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
     curve = CostCurve(cpu=cpu_description(), dtype=str(dtype).replace("torch.", ""), context=context,
                       bandwidth_gbs=bw / 1e9, target_weight_mb=tbytes / 1e6,
                       verify_ms={n: med[f"verify{n}"] for n in ns}, verify_floor_ms=tbytes / bw * 1e3,
-                      spread=spread, batch=B)
+                      spread=spread, batch=B, packed_linear=is_packed(model))
     if head is not None:
         rows = (draft_vocab.table_weight[0].numel() * draft_vocab.table_weight.element_size()
                 if draft_vocab is not None else target.lm_head.weight.numel() * target.lm_head.weight.element_size())
@@ -209,7 +218,8 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 def markdown(curve: CostCurve) -> str:
     c = curve
     lines = [f"CPU: {c.cpu['model']} ({', '.join(c.cpu['flags']) or 'no avx2'}), {c.cpu['threads']} threads; "
-             f"{c.dtype}; {c.context}-token cache; read bandwidth {c.bandwidth_gbs:.1f} GB/s",
+             f"{c.dtype}{', packed linear layers' if c.packed_linear else ''}; {c.context}-token cache; "
+             f"read bandwidth {c.bandwidth_gbs:.1f} GB/s",
              "", "| call | ms | x plain step | memory floor ms | x floor |", "|---|---|---|---|---|"]
     for n, ms in c.verify_ms.items():
         what = "plain step (1 token)" if n == 1 else f"verify {n} tokens"

@@ -33,6 +33,7 @@ import torch
 from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
+from fastmtp_sglang.decode.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
@@ -78,10 +79,13 @@ class ReferenceEngine:
     hybrid : with ``auto``, a ``head`` and a ``drafter``: every cycle each row drafts with the
         head or takes the drafter's proposal, whichever has more expected accepted tokens
         (prompt lookup's estimates are kept per length of the suffix it matched)
+    packed : "auto" (default; bf16 on a CPU with native bf16), "on" or "off": run the target's
+        and the head's linear layers on prepared oneDNN weights; None reads FASTMTP_PACKED_LINEAR
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
-                 draft_vocab=None, drafter=None, auto=None, hybrid: bool = False):
+                 draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
+                 packed: str | None = None):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
@@ -98,6 +102,8 @@ class ReferenceEngine:
         self.model = target.model
         # grouped key/value heads read in place under a mask (same numbers; decode/slot_cache.py)
         use_gqa_sdpa(self.model)
+        # bf16 projections on weights oneDNN laid out once (same numbers; decode/packed_linear.py)
+        self.packed = pack_for_inference(self.model, head, packed)
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
