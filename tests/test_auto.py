@@ -263,6 +263,32 @@ def test_measured_cycles_correct_the_curve():
     for _ in range(40):
         auto.observe_cycle(3, 1, 2 * FLAT.cycle_ms(3))
         auto.observe_cycle(0, 1, FLAT.cycle_ms(0))
-    assert auto.calib[3] == pytest.approx(2.0, rel=0.05) and auto.calib[0] == pytest.approx(1.0)
+    assert auto.calib[(3, 1)] == pytest.approx(2.0, rel=0.05) and auto.calib[(0, 1)] == pytest.approx(1.0)
     assert auto.cycle_ms(3, 1) == pytest.approx(2 * FLAT.cycle_ms(3), rel=0.05)
     assert auto.best(est) < 3
+
+
+def test_calibration_is_kept_per_batch_size_class():
+    """Cycles at batch 16 that take twice the curve's price leave batch 1's prices alone."""
+    from fastmtp_sglang.decode.auto import batch_class
+
+    assert [batch_class(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 17)] == [1, 2, 2, 4, 4, 8, 8, 16, 16]
+    auto = AutoK(FLAT, 3)
+    for _ in range(60):
+        auto.observe_cycle(1, 16, 2 * FLAT.cycle_ms(1, 16))
+    assert auto.cycle_ms(1, 16) == pytest.approx(2 * FLAT.cycle_ms(1, 16), rel=0.05)
+    assert auto.cycle_ms(1, 17) == pytest.approx(2 * FLAT.cycle_ms(1, 17), rel=0.05)
+    assert auto.cycle_ms(1, 1) == FLAT.cycle_ms(1, 1) and auto.cycle_ms(1, 8) == FLAT.cycle_ms(1, 8)
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    """A K whose expected throughput is 1-2% above K=0's is not worth the risk; 10% is."""
+    costs = StepCosts({1: 50.0, 2: 60.0}, draft_step=0.0, extend=0.0)
+    # K=1: (1 + a) / 60 against 1 / 50 -> gain = 50 (1 + a) / 60 - 1
+    small, large = 60 / 50 * 1.015 - 1, 60 / 50 * 1.10 - 1    # acceptances giving +1.5% and +10%
+    for margin, a, want in ((0.03, small, 0), (0.0, small, 1), (0.03, large, 1)):
+        auto = AutoK(costs, 1, calibrate=False, margin=margin)
+        assert auto.best([[a]]) == want, (margin, a)
+        assert auto.choose_hybrid([[a]], [None], 0)[0] == want, (margin, a)
+    with pytest.raises(ValueError):
+        AutoK(costs, 1, margin=1.5)

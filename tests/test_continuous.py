@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastmtp_sglang.decode import batch as batch_mod
+from fastmtp_sglang.decode import engine as engine_mod
 from fastmtp_sglang.decode.auto import AutoK, StepCosts
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.ngram import NgramDrafter
@@ -82,6 +83,36 @@ def test_joining_rows_get_the_tokens_they_get_alone(live_world, arm):
         acc = [c.accepted for c in cycles if c.drafted]
         assert sum(a >= 2 for a in acc) >= 3, f"too few accepted drafts to test anything: {acc}"
         assert any(c.accepted < c.drafted for c in cycles if c.drafted)
+
+
+@pytest.mark.parametrize("arm", ["plain", "head3", "hybrid"])
+def test_prompts_prefilled_in_length_groups_get_their_alone_tokens(live_world, arm):
+    """A start or join whose prompts differ in length is prefilled in several forwards (less
+    padding) and merged: every row still gets its alone tokens under its own key."""
+    t, head = live_world
+    eng = _engines(t, head)[arm]
+    want = {i: _alone(eng, p, n) for i, (p, n) in enumerate(zip(PROMPTS, N_NEW))}
+    eng.prefill_call_tokens = 0  # no fixed cost per forward: every distinct length its own group
+    try:
+        got, _ = _staggered(eng, PROMPTS, N_NEW, schedule=[0, 0, 0, 2, 2, 2])
+    finally:
+        eng.prefill_call_tokens = engine_mod.PREFILL_CALL_TOKENS
+    assert got == want
+
+
+def test_prefill_groups_cut_where_padding_costs_more_than_a_forward():
+    from fastmtp_sglang.decode.engine import prefill_groups
+
+    assert prefill_groups([]) == [] and prefill_groups([7]) == [[0]]
+    assert prefill_groups([10, 12, 11]) == [[0, 1, 2]]             # one forward beats three
+    assert prefill_groups([40, 769, 53, 660], call_tokens=128) == [[0, 2], [1, 3]]
+    assert prefill_groups([5, 1000], call_tokens=128) == [[0], [1]]
+    assert prefill_groups([5, 1000], call_tokens=10_000) == [[0, 1]]
+    lens = [53, 64, 68, 65, 56, 210, 54, 58, 64, 769, 40, 85, 660]
+    groups = prefill_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    cost = sum(128 + len(g) * max(lens[i] for i in g) for g in groups)
+    assert cost < 0.35 * (128 + len(lens) * max(lens))            # vs one padded forward
 
 
 def test_head_is_often_accepted_with_live_attention(live_world):

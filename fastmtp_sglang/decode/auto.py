@@ -97,6 +97,12 @@ def _at_batch(costs: StepCosts, batch: int, fn) -> float:
     return a + (b - a) * (batch - lo) / (hi - lo)
 
 
+def batch_class(batch: int) -> int:
+    """The power of two at or below ``batch`` (1, 2, 4, 8, ...): batch sizes whose serving
+    overhead is calibrated together."""
+    return 1 << (max(int(batch), 1).bit_length() - 1)
+
+
 def expected_tokens(est: list[float], k: int) -> float:
     """E(K) = 1 + sum_{k'<=K} prod_{j<=k'} a_j for per-position conditional acceptances ``est``."""
     total, run = 1.0, 1.0
@@ -119,27 +125,34 @@ class AutoK:
     shared_alpha : the same for the estimate shared by all requests, which is where each new
         request starts (so request 100 does not relearn from 0.5 what 99 requests measured)
     probe_every : cycles at K=0 after which one cycle drafts at K=1 to re-measure acceptance
-    calibrate : scale each K's cost by what its cycles really took (``observe_cycle``); off for
-        costs that are not this machine's (tests that impose a curve)
+    calibrate : scale each K's cost by what its cycles really took (``observe_cycle``), per
+        K and batch-size class (1, 2-3, 4-7, 8-15, ...); off for costs that are not this
+        machine's (tests that impose a curve)
+    margin : drafting must promise this much more throughput than K=0 to be chosen (a cycle's
+        estimate is noisy, and K=0 is the arm that cannot lose to plain decoding)
     """
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
-                 probe_every: int = 16, shared_alpha: float = 0.02, calibrate: bool = True):
+                 probe_every: int = 16, shared_alpha: float = 0.02, calibrate: bool = True,
+                 margin: float = 0.03):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
-                and probe_every >= 1):
-            raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1")
+                and probe_every >= 1 and 0.0 <= margin < 1.0):
+            raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
+                             "margin in [0, 1)")
+        self.margin = margin
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
         self.shared_alpha = shared_alpha
         # every request's observations, slowly, per draft source ("head", or "lookup<n>" for a
         # prompt-lookup proposal whose suffix matched n tokens)
         self.shared: dict[str, list[float]] = {}
-        # measured / modelled cycle time, per K (EMA): the costs were measured on bare calls;
-        # a serving loop adds its own (attention over slot holes, joins, bookkeeping), and
-        # more so at larger K. Starts at 1 (trust the curve) and follows the cycles that ran.
-        self.calib: dict[int, float] = {}
+        # measured / modelled cycle time, per (K, batch-size class) (EMA): the costs were
+        # measured on bare calls; a serving loop adds its own (attention over slot holes and
+        # the longest row's width, bookkeeping per row), more so at larger K and batch. Starts
+        # at 1 (trust the curve) and follows the cycles that ran.
+        self.calib: dict[tuple[int, int], float] = {}
         self.calib_alpha = 0.1 if calibrate else 0.0  # 0: trust the curve as given (tests)
 
     def new_estimate(self, source: str = "head") -> list[float]:
@@ -173,7 +186,7 @@ class AutoK:
         ms = self.costs.cycle_ms(k, batch)
         if not head_steps:
             ms -= self.costs.draft_ms(k, batch)
-        return ms * self.calib.get(k, 1.0)
+        return ms * self.calib.get((k, batch_class(batch)), 1.0)
 
     def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True) -> None:
         """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend)."""
@@ -181,13 +194,15 @@ class AutoK:
         if not head_steps:
             model -= self.costs.draft_ms(k, batch)
         if model > 0 and ms > 0 and self.calib_alpha:
-            c = self.calib.get(k, 1.0)
-            self.calib[k] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
+            key = (k, batch_class(batch))
+            c = self.calib.get(key, 1.0)
+            self.calib[key] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
 
     def best(self, ests: list[list[float]]) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
         rate = [sum(expected_tokens(e, k) for e in ests) / self.cycle_ms(k, len(ests))
                 for k in range(self.kmax + 1)]
+        rate[0] *= 1.0 + self.margin
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
@@ -199,7 +214,7 @@ class AutoK:
         source with more expected tokens (a proposal shorter than K is padded, so its extra
         positions count as misses); a cycle where no row uses the head costs no draft steps."""
         B = len(heads)
-        best = (B / self.cycle_ms(0, B), 0, [False] * B)  # K=0: a token per row
+        best = (B / self.cycle_ms(0, B) * (1.0 + self.margin), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
             total, use, any_head = 0.0, [], False
             for h, lk in zip(heads, lookups):

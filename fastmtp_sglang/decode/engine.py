@@ -63,6 +63,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PREFILL_CALL_TOKENS = 128  # a forward's fixed cost, in prompt tokens (a plain step ~ 128-token prefill share)
+
+
+def prefill_groups(lengths: list[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
+    """Split prompts into the prefill forwards that cost least: a forward over n prompts is
+    padded to its longest, so it costs ``call_tokens + n * longest`` token-units. Prompts are
+    taken in length order and cut where that sum is smallest (dynamic programming over the
+    sorted lengths); returns the groups as lists of indices into ``lengths``, each in input
+    order. Prompts of 40..769 tokens prefilled as one padded batch computed 3.5x the tokens
+    they needed (the Spec-Bench dev prompts)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n   # best[j]: cheapest split of the j shortest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            c = best[i] + call_tokens + (j - i) * longest
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
+
 class ReferenceEngine:
     """Speculative decoding with a transformers target and a FastMTPHead draft.
 
@@ -109,6 +136,7 @@ class ReferenceEngine:
         self.max_context = min(max_context or cfg_max, cfg_max)
         self.eos_ids = set(target.eos_ids)
         self.draft_vocab = draft_vocab  # fastmtp_sglang.vocab.draft_vocab.DraftVocab, or None = full vocab
+        self.prefill_call_tokens = PREFILL_CALL_TOKENS  # how prompts are grouped into prefills
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -149,7 +177,14 @@ class ReferenceEngine:
         run; ``keys`` name the rows in ``on_tokens(key, ids)`` and in ``step``'s results."""
         for r in requests:
             self.validate(r)
-        return self._prefill(requests, keys, on_tokens)
+        b = None
+        for g in prefill_groups([len(r.input_ids) for r in requests], self.prefill_call_tokens) or [[]]:
+            part = self._prefill([requests[i] for i in g], [keys[i] for i in g], on_tokens)
+            if b is None:
+                b = part
+            else:
+                b.merge(part)
+        return b
 
     @torch.inference_mode()
     def join(self, b: Batch, requests: list[Request], keys: list, on_tokens=None) -> None:
