@@ -1,4 +1,4 @@
-"""Linear layers on prepared oneDNN weights (decode/packed_linear.py): the same numbers as
+"""Linear layers on prepared oneDNN weights (core/packed_linear.py): the same numbers as
 ``F.linear`` (bit-identical on CPUs with native bf16, where the engine uses them), autograd and
 non-bf16 calls untouched, a weight changed in place is repacked, and the engine's bf16 greedy
 output does not change when they are on."""
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core.hardware import fast_bf16
-from fastmtp_sglang.decode import packed_linear as pl
+from fastmtp_sglang.core import packed_linear as pl
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
 from test_engine import successor_world
@@ -120,3 +120,19 @@ def test_engine_bf16_greedy_output_is_unchanged_with_packed_layers():
     if fast_bf16():
         assert [r.output_ids for r in a] == [r.output_ids for r in b]
         assert [[c.accepted for c in r.metrics.cycles] for r in a] == [[c.accepted for c in r.metrics.cycles] for r in b]
+
+
+def test_prepared_linear_on_a_slice_equals_f_linear_and_follows_changes():
+    """The draft vocabulary's batch-1 path: a table's rows (a slice of the gathered [L, S, H]
+    weights) through a prepared copy kept per table."""
+    g = torch.Generator().manual_seed(3)
+    tw = torch.randn(2, 300, 64, generator=g).to(torch.bfloat16)
+    store: dict = {}
+    with torch.inference_mode():
+        for t, n in ((0, 300), (1, 257), (0, 300)):
+            w = tw[t, :n]
+            x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+            _same(pl.prepared_linear(x, w, store, t), F.linear(x, w))
+    assert set(store) == ({0, 1} if fast_bf16() else set())
+    x32 = torch.randn(2, 64)
+    assert torch.equal(pl.prepared_linear(x32, tw[0].float(), {}, 0), F.linear(x32, tw[0].float()))

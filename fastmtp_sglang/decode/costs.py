@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
-from fastmtp_sglang.decode.packed_linear import is_packed, pack_for_inference, pack_linears, unpack_linears
+from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, pack_linears, unpack_linears
 
 
 def cpu_description() -> dict[str, Any]:
@@ -114,7 +114,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     per call (every row a ``context``-token cache, as a batch of that many requests);
     ``stock``: time transformers' own DynamicCache, sdpa attention and linear layers instead of
     the engine's in-place slots, GQA attention (decode/slot_cache.py) and prepared bf16 weights
-    (decode/packed_linear.py), for a side-by-side comparison."""
+    (core/packed_linear.py), for a side-by-side comparison."""
     from transformers import DynamicCache
 
     from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa

@@ -12,10 +12,11 @@ Optionally a request's own prompt tokens join its table (``extra="prompt"``): co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from fastmtp_sglang.core.packed_linear import prepared_linear
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
 from fastmtp_sglang.vocab.language import token_script_classes
 from fastmtp_sglang.vocab.tables import TableSet
@@ -31,6 +32,7 @@ class DraftVocab:
     script_classes: torch.Tensor  # [V] int8
     extra: str = "none"
     max_extra: int = 2048
+    _prepared: dict = field(default_factory=dict, repr=False, compare=False)  # table -> oneDNN layout
 
     @classmethod
     def build(cls, tables: TableSet, lm_head: torch.nn.Module, tokenizer, extra: str = "none") -> "DraftVocab":
@@ -61,7 +63,8 @@ class DraftVocab:
             # (the first maximum, as compressed_head returns; tested equal)
             t = int(idx[0])
             w = self.table_weight[t, : int(self.tables.lens[t])]
-            slot = (hidden.to(w.dtype) @ w.T).argmax(-1)
+            # bf16 on a CPU with bf16 units: the table's rows laid out for oneDNN once
+            slot = prepared_linear(hidden.to(w.dtype), w, self._prepared, t).argmax(-1)
             return self.tables.tables[t].index_select(0, slot)
         top, _, _ = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
                                     self.tables.tables, self.tables.lens, idx, extra,

@@ -58,6 +58,25 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
+def prepared_linear(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch.Tensor:
+    """``F.linear(x, w)`` through a prepared copy of ``w`` kept in ``store[key]`` (made on first
+    use, remade when ``w`` changes) where the engine would pack an ``nn.Linear`` (bf16 on a CPU
+    with bf16 units, no autograd); plain ``F.linear`` elsewhere. For weights that are slices of
+    a bigger tensor rather than layers (the draft vocabulary's table rows)."""
+    if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or not available() or not fast_bf16() or (torch.is_grad_enabled() and x.requires_grad)):
+        return F.linear(x, w)
+    state = store.get(key)
+    ver = _version(w)
+    if state is None or state[0] != ver:
+        with torch.no_grad():
+            state = (ver, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT))
+        store[key] = state
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), state[1], None, "none", [], "")
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
 def pack_linears(module: torch.nn.Module) -> int:
     """Give every ``nn.Linear`` under ``module`` the prepared-weight forward. Returns how many
     layers it switched (0 where oneDNN's ops are missing). Idempotent."""
