@@ -136,3 +136,41 @@ def test_prepared_linear_on_a_slice_equals_f_linear_and_follows_changes():
     assert set(store) == ({0, 1} if fast_bf16() else set())
     x32 = torch.randn(2, 64)
     assert torch.equal(pl.prepared_linear(x32, tw[0].float(), {}, 0), F.linear(x32, tw[0].float()))
+
+
+def test_fused_projections_give_each_member_its_own_output():
+    """q/k/v and gate/up as one prepared product: the members' outputs equal their own layers'
+    (called in the modules' order, in another order, with another input, and under autograd)."""
+    torch.manual_seed(4)
+
+    class Block(torch.nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(48, n, bias=bias) for n in (48, 16, 16))
+            self.gate_proj, self.up_proj = torch.nn.Linear(48, 80), torch.nn.Linear(48, 80)
+
+    for bias in (False, True):
+        blk = Block(bias).to(torch.bfloat16)
+        ref = copy.deepcopy(blk)
+        assert pl.fuse_projections(blk) == 2 and pl.fuse_projections(blk) == 0
+        names = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+        with torch.inference_mode():
+            for rows in (1, 3, 8, 64, 65):
+                x = torch.randn(2, rows, 48).to(torch.bfloat16)[:, :rows]
+                got = {n: getattr(blk, n)(x) for n in names}
+                for n in names:
+                    _same(got[n], getattr(ref, n)(x))
+            x, y = torch.randn(4, 48).to(torch.bfloat16), torch.randn(4, 48).to(torch.bfloat16)
+            q = blk.q_proj(x)
+            _same(blk.k_proj(y), ref.k_proj(y))   # another input: its own product, not x's
+            _same(blk.v_proj(x), ref.v_proj(x))
+            _same(q, ref.q_proj(x))
+            _same(blk.v_proj(y), ref.v_proj(y))   # out of order, nothing waiting
+            with torch.no_grad():
+                blk.k_proj.weight.mul_(2)
+                ref.k_proj.weight.mul_(2)
+            blk.q_proj(x)
+            _same(blk.k_proj(x), ref.k_proj(x))   # a changed member remakes the fused weight
+        xg = torch.randn(3, 48).to(torch.bfloat16)
+        assert torch.equal(blk.k_proj(xg), F.linear(xg, blk.k_proj.weight, blk.k_proj.bias))
+        assert pl.unpack_linears(blk) == 5 and not pl.is_packed(blk)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
-from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, pack_linears, unpack_linears
+from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
 
 
 def cpu_description() -> dict[str, Any]:
@@ -104,7 +104,7 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 @torch.inference_mode()
 def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
             context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512,
-            batch: int = 1, stock: bool = False) -> CostCurve:
+            batch: int = 1, stock: bool = False, fuse: bool = True) -> CostCurve:
     """Time the calls of one speculative cycle at batch ``batch`` (see the module docstring).
 
     ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
@@ -114,30 +114,39 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     per call (every row a ``context``-token cache, as a batch of that many requests);
     ``stock``: time transformers' own DynamicCache, sdpa attention and linear layers instead of
     the engine's in-place slots, GQA attention (decode/slot_cache.py) and prepared bf16 weights
-    (core/packed_linear.py), for a side-by-side comparison."""
+    (core/packed_linear.py), for a side-by-side comparison; ``fuse`` False: prepared weights
+    without the fused q/k/v and gate/up products."""
     from transformers import DynamicCache
 
     from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa
 
     model = target.model
     prev_attn = model.config._attn_implementation
-    was_packed = [m for m in (model, head) if m is not None and is_packed(m)]
+    was_packed = is_packed(model)
     if stock:
         if prev_attn == ATTN_NAME:
             model.set_attn_implementation("sdpa")
-        for m in was_packed:
-            unpack_linears(m)
+        for m in (model, head):
+            if m is not None:
+                unpack_linears(m)
     else:
         use_gqa_sdpa(model)
-        pack_for_inference(model, head)
+        if not fuse:
+            for m in (model, head):
+                if m is not None:
+                    unpack_linears(m)
+        pack_for_inference(model, head, fuse=fuse)
     try:
         return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
                         batch, DynamicCache() if stock else SlotCache())
     finally:
         if model.config._attn_implementation != prev_attn:
             model.set_attn_implementation(prev_attn)
-        for m in was_packed:
-            pack_linears(m)
+        if (stock or not fuse) and was_packed:
+            for m in (model, head):
+                if m is not None:
+                    unpack_linears(m)
+            pack_for_inference(model, head, "on")
 
 
 def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib, batch,
