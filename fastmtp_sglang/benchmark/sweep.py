@@ -70,7 +70,7 @@ class BenchConfig:
     auto_steps: int = 0  # the `auto` arm (in-process): K chosen per cycle in 0..auto_steps; 0 = none
     auto_drafter: str = "hybrid"  # the auto arm drafts with the head and prompt lookup, or the head alone
     auto_alpha: float = 0.2       # the auto controller's per-request moving-average weight
-    auto_probe_every: int = 16    # cycles at K=0 before the controller drafts once at K=1
+    auto_probe_every: int = 8     # cycles at K=0 before the controller drafts once at K=1
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):

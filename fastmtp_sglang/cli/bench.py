@@ -156,8 +156,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "alone")
     p.add_argument("--auto-alpha", type=float, default=0.2, help="auto: weight of a cycle in a "
                    "request's running acceptance estimate (default 0.2)")
-    p.add_argument("--auto-probe-every", type=int, default=16, help="auto: cycles at K=0 before "
-                   "one cycle drafts at K=1 to re-measure (default 16)")
+    p.add_argument("--auto-probe-every", type=int, default=8, help="auto: cycles at K=0 before "
+                   "one cycle drafts at K=1 to re-measure (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")

@@ -133,7 +133,7 @@ class AutoK:
     """
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
-                 probe_every: int = 16, shared_alpha: float = 0.02, calibrate: bool = True,
+                 probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
                  margin: float = 0.03):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
@@ -251,7 +251,7 @@ def measure_auto_costs(target, head, kmax: int, draft_vocab=None, batch: int = 1
 
 
 def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
-                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 16,
+                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 8,
                 batched_curves: list | None = None):
     """A ReferenceEngine whose K is chosen per cycle in 0..kmax from ``curve`` (and the same
     costs at larger batches, ``batched_curves``); with ``drafter="hybrid"`` each row also takes
