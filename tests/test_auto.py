@@ -292,3 +292,15 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
         assert auto.choose_hybrid([[a]], [None], 0)[0] == want, (margin, a)
     with pytest.raises(ValueError):
         AutoK(costs, 1, margin=1.5)
+
+
+def test_an_uncalibrated_k_inherits_k0s_overhead_at_its_batch_class():
+    """Under load K=0's cycles take 1.5x the curve; K=1, never run yet at that batch size, is
+    priced with the same overhead, not at the bare curve (which made drafting look cheap)."""
+    auto = AutoK(FLAT, 3)
+    for _ in range(60):
+        auto.observe_cycle(0, 16, 1.5 * FLAT.cycle_ms(0, 16))
+    assert auto.cycle_ms(1, 16) == pytest.approx(1.5 * FLAT.cycle_ms(1, 16), rel=0.05)
+    assert auto.cycle_ms(1, 1) == FLAT.cycle_ms(1, 1)            # another batch class: untouched
+    auto.observe_cycle(1, 16, FLAT.cycle_ms(1, 16))              # once K=1 runs, its own ratio
+    assert auto.cycle_ms(1, 16) < 1.5 * FLAT.cycle_ms(1, 16)

@@ -30,6 +30,10 @@ def live_world():
     target mostly predicts x+1 (so the perfect-successor head is often accepted) but its
     tokens depend on the whole context through live attention, and it departs from x+1 often
     enough that drafts are rejected too."""
+    return live_successor_world()
+
+
+def live_successor_world():
     t, head = successor_world()
     torch.manual_seed(7)
     with torch.no_grad():

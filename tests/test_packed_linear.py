@@ -15,7 +15,7 @@ from fastmtp_sglang.core.hardware import fast_bf16
 from fastmtp_sglang.core import packed_linear as pl
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
-from test_engine import successor_world
+from test_continuous import live_successor_world
 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch build has no oneDNN linear ops")
 
@@ -95,13 +95,7 @@ def test_wanted_follows_mode_dtype_and_cpu():
 def test_engine_bf16_greedy_output_is_unchanged_with_packed_layers():
     """A live-attention successor world in bf16 (drafts accepted and rejected): the engine with
     packed layers returns the tokens and acceptance of the engine without."""
-    t, head = successor_world()
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for layer in t.model.model.layers:
-            layer.self_attn.v_proj.weight.normal_(0, 0.3)
-            layer.self_attn.o_proj.weight.normal_(0, 0.15)
-            layer.mlp.down_proj.weight.normal_(0, 0.05)
+    t, head = live_successor_world()
     t.model.to(torch.bfloat16)
     head.to(torch.bfloat16)
     t2, head2 = copy.deepcopy((t, head))

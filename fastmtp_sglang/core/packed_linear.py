@@ -5,7 +5,7 @@ for the kernel on every call; at the few rows a decode step or a verification ha
 request), that reorder costs as much as the matmul itself. ``torch.ops.mkldnn._reorder_linear_weight``
 does it once, and ``torch.ops.mkldnn._linear_pointwise`` then reads the prepared weight (the ops
 PyTorch's inductor uses when it freezes a CPU model; callable in eager mode, no compile). On the
-AMX Xeon this project runs on, the demo target's projections ran ~1.5-2x faster, with results
+AMX Xeon this project runs on, the demo target's projections ran 1.2-1.7x faster at 1-16 rows, with results
 bit-identical to ``F.linear`` at every row count measured (bench/packed_linear_probe.py).
 
 :func:`pack_linears` swaps the ``forward`` of every ``nn.Linear`` in a module (state dicts and

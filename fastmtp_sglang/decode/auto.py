@@ -186,7 +186,11 @@ class AutoK:
         ms = self.costs.cycle_ms(k, batch)
         if not head_steps:
             ms -= self.costs.draft_ms(k, batch)
-        return ms * self.calib.get((k, batch_class(batch)), 1.0)
+        cls = batch_class(batch)
+        # a K not yet seen at this batch class pays at least what K=0 was measured to pay there:
+        # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
+        # for it made drafting look cheap next to a calibrated K=0 under load)
+        return ms * self.calib.get((k, cls), self.calib.get((0, cls), 1.0))
 
     def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True) -> None:
         """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend)."""
@@ -195,7 +199,7 @@ class AutoK:
             model -= self.costs.draft_ms(k, batch)
         if model > 0 and ms > 0 and self.calib_alpha:
             key = (k, batch_class(batch))
-            c = self.calib.get(key, 1.0)
+            c = self.calib.get(key, self.calib.get((0, key[1]), 1.0))
             self.calib[key] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
 
     def best(self, ests: list[list[float]]) -> int:
