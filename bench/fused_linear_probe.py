@@ -6,7 +6,7 @@ idle machine:
 
     python bench/fused_linear_probe.py --out bench/results/fused_linear_probe
 
-Each variant's median over ``--repeats`` calls, the variants interleaved call by call, with
+Each variant's median over ``--repeats`` calls, interleaved and rotated (decode/costs.py: interleaved_ms), with
 the CPU's model and flags; the weights' bytes / the median = the bandwidth the kernel reached.
 """
 
@@ -17,13 +17,12 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.decode.costs import cpu_description
+from fastmtp_sglang.decode.costs import cpu_description, interleaved_ms
 
 H, Q, KV, I = 576, 576, 192, 1536
 
@@ -40,16 +39,7 @@ def _probe(rows: int, dtype: torch.dtype, repeats: int) -> dict:
         "gate_up_separate": lambda: (F.linear(x, wg), F.linear(x, wu)),
         "gate_up_fused": lambda: F.linear(x, wgu).chunk(2, -1),
     }
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(5):
-        for fn in calls.values():
-            fn()
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in interleaved_ms(calls, repeats, warmup=5).items()}
     nbytes = {"qkv": wqkv.numel() * wqkv.element_size(), "gate_up": wgu.numel() * wgu.element_size()}
     return {"rows": rows, "ms": med,
             "gbps": {k: nbytes[k.rsplit("_", 1)[0]] / (v / 1e3) / 1e9 for k, v in med.items()},

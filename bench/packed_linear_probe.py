@@ -6,7 +6,7 @@ Run it on an idle machine:
 
     python bench/packed_linear_probe.py --out bench/results/packed_linear_probe
 
-Each variant's median over ``--repeats`` calls, the two variants interleaved call by call, with
+Each variant's median over ``--repeats`` calls, interleaved and rotated (decode/costs.py: interleaved_ms), with
 the CPU's model and flags; the weight's bytes / the median = the bandwidth the kernel reached.
 """
 
@@ -17,31 +17,17 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.decode.costs import cpu_description
+from fastmtp_sglang.decode.costs import cpu_description, interleaved_ms
 from fastmtp_sglang.core.packed_linear import _HINT, available
 
 H = 576
 SHAPES = {"q": (576, H), "k/v": (192, H), "o": (576, 576), "gate/up": (1536, H), "down": (576, 1536),
           "lm_head": (49152, H)}
-
-
-def _time(calls: dict, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(3):
-        for fn in calls.values():
-            fn()
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def probe(name: str, rows: int, dtype: torch.dtype, repeats: int) -> dict:
@@ -58,7 +44,8 @@ def probe(name: str, rows: int, dtype: torch.dtype, repeats: int) -> dict:
         packed = lambda: torch.ops.mkl._mkl_linear(x, wp, w, None, rows)  # noqa: E731
         label = "mkl_packed_exact_rows"
     reps = max(repeats // 10, 10) if name == "lm_head" else repeats
-    med = _time({"f_linear": lambda: F.linear(x, w), label: packed}, reps)
+    med = {k: statistics.median(v) for k, v in
+           interleaved_ms({"f_linear": lambda: F.linear(x, w), label: packed}, reps).items()}
     nbytes = w.numel() * w.element_size()
     diff = (F.linear(x, w).float() - packed().float()).abs().max().item()
     return {"shape": name, "rows": rows, "dtype": str(dtype).replace("torch.", ""), "ms": med,

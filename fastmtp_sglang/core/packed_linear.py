@@ -15,8 +15,9 @@ since it was prepared (its version counter and storage; a trained head repacks a
 optimizer step). Everything else takes ``F.linear``.
 
 :func:`fuse_projections` goes one step further for the projections that read the same input:
-q/k/v of an attention and gate/up of an MLP become one prepared matmul (1.4-1.6x faster for
-q/k/v in bf16 at 1-16 rows). The first of a group to be called (q_proj, gate_proj: the order
+q/k/v of an attention and gate/up of an MLP become one prepared matmul (three calls become one;
+the bf16 plain step of the demo target: 53.5 ms unfused, 38.4 / 49.2 ms fused in the runs just
+before and after it, bench/results/speculation_pays/costs/). The first of a group to be called (q_proj, gate_proj: the order
 transformers' Llama/Qwen2 modules and our head call them in) computes every member's output
 and leaves the others theirs, keyed by the input tensor itself; a member called with another
 input computes its own. Only up to ``FUSED_MAX_ROWS`` rows, where the fused product is
@@ -53,20 +54,31 @@ def _version(w: torch.Tensor) -> tuple[int, int]:
     return v, w.data_ptr()
 
 
+def _prepare(w: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT)
+
+
+def _apply(x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), prepared, bias, "none", [], "")
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _cached(store: dict, key, w: torch.Tensor) -> torch.Tensor:
+    """``w`` prepared, from ``store[key]`` while ``w`` is unchanged (version and storage)."""
+    state, ver = store.get(key), _version(w)
+    if state is None or state[0] != ver:
+        state = store[key] = (ver, _prepare(w))
+    return state[1]
+
+
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
             or w.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, self.bias)
-    state = self.__dict__.get(_ATTR)
-    key = _version(w)
-    if state is None or state[0] != key:
-        with torch.no_grad():
-            state = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _HINT))
-        self.__dict__[_ATTR] = state
-    shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), state[1], self.bias, "none", [], "")
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return _apply(x, _cached(self.__dict__, _ATTR, w), self.bias)
 
 
 def prepared_linear(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch.Tensor:
@@ -77,15 +89,7 @@ def prepared_linear(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch
     if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
             or not available() or not fast_bf16() or (torch.is_grad_enabled() and x.requires_grad)):
         return F.linear(x, w)
-    state = store.get(key)
-    ver = _version(w)
-    if state is None or state[0] != ver:
-        with torch.no_grad():
-            state = (ver, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT))
-        store[key] = state
-    shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), state[1], None, "none", [], "")
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return _apply(x, _cached(store, key, w), None)
 
 
 class _Fused:
@@ -104,19 +108,14 @@ class _Fused:
         key = tuple(_version(m.weight) for m in self.members)
         if self.prepared is None or self.prepared[0] != key:
             with torch.no_grad():
-                w = torch.cat([m.weight.detach() for m in self.members])
                 b = (torch.cat([m.bias.detach() for m in self.members])
                      if self.members[0].bias is not None else None)
-                self.prepared = (key, torch.ops.mkldnn._reorder_linear_weight(w, _HINT), b)
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.prepared[1],
-                                               self.prepared[2], "none", [], "")
-        return [part.reshape(*shape[:-1], part.shape[-1]) for part in y.split(self.sizes, -1)]
+                self.prepared = (key, _prepare(torch.cat([m.weight.detach() for m in self.members])), b)
+        return list(_apply(x, self.prepared[1], self.prepared[2]).split(self.sizes, -1))
 
 
 def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-    group: _Fused = self.__dict__[_GROUP]
-    i = next(j for j, m in enumerate(group.members) if m is self)
+    group, i = self.__dict__[_GROUP]  # (the group, this layer's place in it)
     if i > 0 and group.x is x and group.outs[i] is not None:
         out, group.outs[i] = group.outs[i], None
         if all(o is None for o in group.outs):
@@ -152,8 +151,8 @@ def fuse_projections(module: torch.nn.Module) -> int:
                     or len({x.bias is None for x in members}) != 1):
                 continue
             group = _Fused(members)
-            for x in members:
-                x.__dict__[_GROUP] = group
+            for i, x in enumerate(members):
+                x.__dict__[_GROUP] = (group, i)
                 x.forward = types.MethodType(_fused_forward, x)
             n += 1
     return n

@@ -91,14 +91,21 @@ class CostCurve:
         return d
 
 
-def _median_ms(fn, repeats: int) -> tuple[float, float]:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    med = statistics.median(times)
-    return med, (max(times) - min(times)) / med
+def interleaved_ms(calls: dict[str, Any], repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Milliseconds of every call in ``calls`` (name -> function), ``repeats`` times each, the
+    calls interleaved and their order rotated from round to round so slow drift of the machine
+    hits every call alike; ``warmup`` untimed rounds first."""
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t = time.perf_counter()
+            calls[name]()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 @torch.inference_mode()
@@ -195,17 +202,7 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 
         calls["draft_step"] = draft_step
         calls.update({f"extend{n}": (lambda n=n: extend(n)) for n in ns})
-    names = list(calls)
-    for _ in range(warmup):
-        for name in names:
-            calls[name]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):  # rotate the order, so slow drift hits every shape alike
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            t = time.perf_counter()
-            calls[name]()
-            times[name].append((time.perf_counter() - t) * 1e3)
+    times = interleaved_ms(calls, repeats, warmup)
     med = {n: statistics.median(v) for n, v in times.items()}
     spread = {n: (max(v) - min(v)) / med[n] for n, v in times.items()}
     bw = read_bandwidth(bandwidth_mib)

@@ -31,9 +31,9 @@ from typing import Any, Callable
 import torch
 
 from fastmtp_sglang.core.head import FastMTPHead, head_input
+from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
-from fastmtp_sglang.core.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
@@ -130,7 +130,8 @@ class ReferenceEngine:
         # grouped key/value heads read in place under a mask (same numbers; decode/slot_cache.py)
         use_gqa_sdpa(self.model)
         # bf16 projections on weights oneDNN laid out once (same numbers; core/packed_linear.py)
-        self.packed = pack_for_inference(self.model, head, packed)
+        # (the target is shared: an engine made earlier on it may have packed it already)
+        self.packed = pack_for_inference(self.model, head, packed) or is_packed(self.model)
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
