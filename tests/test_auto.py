@@ -63,9 +63,38 @@ def test_new_requests_start_from_what_earlier_requests_measured():
 
 
 def test_probe_after_a_run_of_plain_cycles():
-    auto = AutoK(STEEP, 3, probe_every=4, calibrate=False)
+    # cheap verification: a K=1 probe loses ~1 ms against plain decoding, due after probe_every
+    auto = AutoK(FLAT, 3, probe_every=4, calibrate=False)
     assert auto.choose([[0.1] * 3], zero_run=3) == 0
     assert auto.choose([[0.1] * 3], zero_run=4) == 1
+    # expensive verification: the probe (108 ms for an expected 1.1 tokens) loses 53 ms against
+    # plain decoding (50 ms a token); at a 2% budget it waits for 53 cycles at K=0
+    steep = AutoK(STEEP, 3, probe_every=4, calibrate=False, probe_budget=0.02)
+    assert steep.choose([[0.1] * 3], zero_run=52) == 0
+    assert steep.choose([[0.1] * 3], zero_run=53) == 1
+    # the head's catch-up over the skipped positions is part of what a probe costs
+    assert FLAT.extend_ms(0) == 0.0 and FLAT.extend_ms(5) == 2.0  # no extend_by_n: one cost
+    ext = StepCosts(dict(FLAT.verify), 3.0, 2.0, extend_by_n={1: 2.0, 4: 5.0})
+    assert ext.extend_ms(8) == pytest.approx(9.0)  # extrapolated: 1 ms a position
+    late = AutoK(ext, 3, probe_every=4, calibrate=False)
+    assert late.cycle_ms(1, 1, deferred=8) == pytest.approx(ext.cycle_ms(1) + 9.0)
+    assert late.cycle_ms(0, 1, deferred=8) == ext.cycle_ms(0)  # a K=0 cycle defers, pays nothing
+    assert late.probe_due([[0.1] * 3], zero_run=8, deferred=0)
+    assert not late.probe_due([[0.1] * 3], zero_run=8, deferred=8)  # 1 + 9 ms > 2% of 8 x 50 ms
+
+
+def test_probes_at_a_large_batch_wait_for_their_budget():
+    """At 16 rows a K=1 cycle costs 1.6x a plain one (measured on the AMX Xeon): a probe at
+    every 8th cycle cost the auto arm a third of K=0's throughput under load; with the budget it
+    waits until K=0's time pays for it, while one row at a time still probes after 8."""
+    b16 = StepCosts({1: 85.0, 2: 135.0, 4: 144.0}, 0.5, 4.0)
+    costs = StepCosts({1: 44.5, 2: 50.9, 4: 52.6}, 0.7, 2.0, by_batch={16: b16})
+    auto = AutoK(costs, 3, probe_every=8, calibrate=False)
+    rows = [[0.37] * 3] * 16
+    assert auto.choose(rows, zero_run=8) == 0 and auto.probe_due(rows[:1], zero_run=8)
+    due = next(z for z in range(8, 1000) if auto.choose(rows, zero_run=z) == 1)
+    loss = auto.cycle_ms(1, 16) - 85.0 * 1.37
+    assert due == pytest.approx(loss / (0.02 * 85.0), abs=1)
     with pytest.raises(ValueError):
         AutoK(FLAT, 0, calibrate=False)
 

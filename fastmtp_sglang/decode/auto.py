@@ -14,7 +14,11 @@ Acceptance estimates start from a prior and follow each row's cycles with an exp
 average per position: a cycle at K that accepted m drafts observes "accepted" at positions 1..m
 and "rejected" at m+1 (positions beyond it are not observed; after a chain accepted whole, the
 next position's estimate is raised to the last one's). A row decoding at K=0 learns nothing, so
-after ``probe_every`` cycles at K=0 the controller drafts once at K=1 to look again.
+after ``probe_every`` cycles at K=0 the controller may draft once at K=1 to look again. A probe
+is not free where verification is not (at batch 16 a K=1 cycle costs ~1.6x a plain one, plus the
+head's catch-up over the skipped positions), so it waits until the K=0 time since the last
+drafting cycle, times ``probe_budget``, covers what the probe is expected to lose against plain
+decoding: probes cost at most that fraction of the time spent at K=0.
 Any K is lossless (every cycle is verified), so the choice changes speed, never the output.
 
 Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand, and are
@@ -36,6 +40,8 @@ class StepCosts:
         measured points is interpolated, beyond the last one extrapolated linearly
     draft_step : one head step with its projection
     extend : the head's draft extend over the accepted positions
+    extend_by_n : {n: ms} of the draft extend over n positions (the catch-up over the positions
+        of K=0 cycles costs extend_ms(n)); empty: ``extend`` whatever n
     by_batch : {B: StepCosts measured with B rows}; a cycle of a batch of B rows costs what the
         nearest measured batch sizes say (linear in B between them, and beyond the largest)
     """
@@ -43,6 +49,7 @@ class StepCosts:
     draft_step: float
     extend: float
     by_batch: dict[int, "StepCosts"] = field(default_factory=dict)
+    extend_by_n: dict[int, float] = field(default_factory=dict)  # {n positions: ms}, measured
 
     @classmethod
     def from_curve(cls, curve, batched: list | None = None) -> "StepCosts":
@@ -51,24 +58,21 @@ class StepCosts:
         if curve.draft_step_ms is None:
             raise ValueError("the cost curve was measured without a head: no draft-step cost")
         ext = sorted(curve.extend_ms.values())
-        own = cls(dict(curve.verify_ms), curve.draft_step_ms, ext[len(ext) // 2] if ext else 0.0)
+        own = cls(dict(curve.verify_ms), curve.draft_step_ms, ext[len(ext) // 2] if ext else 0.0,
+                  extend_by_n=dict(curve.extend_ms))
         for c in batched or []:
             if getattr(c, "batch", 1) > 1:
                 own.by_batch[c.batch] = cls.from_curve(c)
         return own
 
     def verify_ms(self, n: int) -> float:
-        pts = sorted(self.verify)
-        if n in self.verify:
-            return self.verify[n]
-        lo = max((p for p in pts if p < n), default=pts[0])
-        hi = min((p for p in pts if p > n), default=None)
-        if hi is None:  # beyond the last point: extend the last segment's slope
-            a, b = (pts[-2], pts[-1]) if len(pts) > 1 else (pts[-1], pts[-1])
-            slope = (self.verify[b] - self.verify[a]) / (b - a) if b != a else 0.0
-            return self.verify[b] + slope * (n - b)
-        t = (n - lo) / (hi - lo)
-        return self.verify[lo] * (1 - t) + self.verify[hi] * t
+        return _interp(self.verify, n)
+
+    def extend_ms(self, n: int, batch: int = 1) -> float:
+        """The head's draft extend over ``n`` positions of ``batch`` rows (0 for n = 0)."""
+        if n <= 0:
+            return 0.0
+        return _at_batch(self, batch, lambda c: _interp(c.extend_by_n, n) if c.extend_by_n else c.extend)
 
     def cycle_ms(self, k: int, batch: int = 1) -> float:
         """A cycle at K of a batch of ``batch`` rows."""
@@ -80,6 +84,22 @@ class StepCosts:
     def draft_ms(self, k: int, batch: int = 1) -> float:
         """The head's share of a cycle at K: K draft steps, at the batch's size."""
         return _at_batch(self, batch, lambda c: k * c.draft_step)
+
+
+def _interp(points: dict[int, float], n: int) -> float:
+    """``points`` at ``n``: measured, interpolated between measured sizes, or beyond the last
+    one along the last segment's slope."""
+    if n in points:
+        return points[n]
+    pts = sorted(points)
+    lo = max((p for p in pts if p < n), default=pts[0])
+    hi = min((p for p in pts if p > n), default=None)
+    if hi is None:  # beyond the last point: extend the last segment's slope
+        a, b = (pts[-2], pts[-1]) if len(pts) > 1 else (pts[-1], pts[-1])
+        slope = (points[b] - points[a]) / (b - a) if b != a else 0.0
+        return points[b] + slope * (n - b)
+    t = (n - lo) / (hi - lo)
+    return points[lo] * (1 - t) + points[hi] * t
 
 
 def _at_batch(costs: StepCosts, batch: int, fn) -> float:
@@ -124,7 +144,9 @@ class AutoK:
     alpha : weight of the newest observation in a request's moving average
     shared_alpha : the same for the estimate shared by all requests, which is where each new
         request starts (so request 100 does not relearn from 0.5 what 99 requests measured)
-    probe_every : cycles at K=0 after which one cycle drafts at K=1 to re-measure acceptance
+    probe_every : cycles at K=0 after which one cycle may draft at K=1 to re-measure acceptance
+    probe_budget : the fraction of the time spent at K=0 that probes may lose against plain
+        decoding (a probe waits until the K=0 cycles since the last drafting one cover it)
     calibrate : scale each K's cost by what its cycles really took (``observe_cycle``), per
         K and batch-size class (1, 2-3, 4-7, 8-15, ...); off for costs that are not this
         machine's (tests that impose a curve)
@@ -134,14 +156,14 @@ class AutoK:
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
                  probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
-                 margin: float = 0.03):
+                 margin: float = 0.03, probe_budget: float = 0.02):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
-                and probe_every >= 1 and 0.0 <= margin < 1.0):
+                and probe_every >= 1 and 0.0 <= margin < 1.0 and probe_budget > 0.0):
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
-                             "margin in [0, 1)")
-        self.margin = margin
+                             "margin in [0, 1), probe_budget > 0")
+        self.margin, self.probe_budget = margin, probe_budget
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
         self.shared_alpha = shared_alpha
@@ -180,43 +202,63 @@ class AutoK:
         if 0 < k == accepted < len(est):
             est[k] = max(est[k], est[k - 1])
 
-    def cycle_ms(self, k: int, batch: int, head_steps: bool = True) -> float:
+    def cycle_ms(self, k: int, batch: int, head_steps: bool = True, deferred: int = 0) -> float:
         """A cycle's expected ms: the measured curve at this batch size, times what cycles at K
-        really took against it (``observe_cycle``)."""
-        ms = self.costs.cycle_ms(k, batch)
-        if not head_steps:
-            ms -= self.costs.draft_ms(k, batch)
+        really took against it (``observe_cycle``). A drafting cycle after ``deferred`` cycles
+        at K=0 also runs the head's draft extend over those positions (the catch-up)."""
+        ms = self._model_ms(k, batch, head_steps, deferred)
         cls = batch_class(batch)
         # a K not yet seen at this batch class pays at least what K=0 was measured to pay there:
         # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
         # for it made drafting look cheap next to a calibrated K=0 under load)
         return ms * self.calib.get((k, cls), self.calib.get((0, cls), 1.0))
 
-    def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True) -> None:
-        """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend)."""
-        model = self.costs.cycle_ms(k, batch)
-        if not head_steps:
-            model -= self.costs.draft_ms(k, batch)
+    def _model_ms(self, k: int, batch: int, head_steps: bool, deferred: int) -> float:
+        ms = self.costs.cycle_ms(k, batch)
+        if k and not head_steps:
+            ms -= self.costs.draft_ms(k, batch)
+        if k and deferred:
+            ms += self.costs.extend_ms(deferred, batch)
+        return ms
+
+    def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True,
+                      deferred: int = 0) -> None:
+        """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend, with the
+        catch-up over ``deferred`` K=0 cycles' positions when it ran one)."""
+        model = self._model_ms(k, batch, head_steps, deferred)
         if model > 0 and ms > 0 and self.calib_alpha:
             key = (k, batch_class(batch))
             c = self.calib.get(key, self.calib.get((0, key[1]), 1.0))
             self.calib[key] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
 
-    def best(self, ests: list[list[float]]) -> int:
+    def best(self, ests: list[list[float]], deferred: int = 0) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
-        rate = [sum(expected_tokens(e, k) for e in ests) / self.cycle_ms(k, len(ests))
+        rate = [sum(expected_tokens(e, k) for e in ests) / self.cycle_ms(k, len(ests), deferred=deferred)
                 for k in range(self.kmax + 1)]
         rate[0] *= 1.0 + self.margin
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
+    def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> bool:
+        """After ``zero_run`` cycles at K=0: is a K=1 probe due? Not before ``probe_every`` of
+        them, and not before ``probe_budget`` of their time covers what the probe is expected
+        to lose against plain decoding (its cycle, catch-up included, less the time K=0 takes
+        for the tokens the probe is expected to emit)."""
+        if zero_run < self.probe_every:
+            return False
+        B = len(ests)
+        plain = self.cycle_ms(0, B)
+        loss = self.cycle_ms(1, B, deferred=deferred) - plain * sum(expected_tokens(e, 1) for e in ests) / B
+        return loss <= self.probe_budget * zero_run * plain
+
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
-                      zero_run: int) -> tuple[int, list[bool]]:
+                      zero_run: int, deferred: int = 0) -> tuple[int, list[bool]]:
         """Hybrid drafting: K, and for each row whether it drafts with prompt lookup.
 
         ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
         match length, proposal length) or None without a proposal. At each K a row takes the
         source with more expected tokens (a proposal shorter than K is padded, so its extra
-        positions count as misses); a cycle where no row uses the head costs no draft steps."""
+        positions count as misses); a cycle where no row uses the head costs no draft steps
+        (but still the head's extend, and its catch-up over ``deferred`` K=0 cycles)."""
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
@@ -228,19 +270,20 @@ class AutoK:
                 use.append(take)
                 any_head |= not take
                 total += el if take else eh
-            ms = self.cycle_ms(k, B, head_steps=any_head)  # no head steps: no draft cost
+            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred)  # no head steps: no draft cost
             if total / ms > best[0]:
                 best = (total / ms, k, use)
         _, k, use = best
-        if k == 0 and zero_run >= self.probe_every:
+        if k == 0 and self.probe_due(heads, zero_run, deferred):
             return 1, [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
                        for h, lk in zip(heads, lookups)]
         return k, use
 
-    def choose(self, ests: list[list[float]], zero_run: int) -> int:
-        """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it."""
-        k = self.best(ests)
-        if k == 0 and zero_run >= self.probe_every:
+    def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> int:
+        """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it,
+        ``deferred`` = how many of them the head has not caught up on."""
+        k = self.best(ests, deferred)
+        if k == 0 and self.probe_due(ests, zero_run, deferred):
             return 1
         return k
 

@@ -209,6 +209,7 @@ class ReferenceEngine:
         # near the context limit a row may verify only what fits (the rest of its drafts are
         # ignored, see _verify), and no cycle drafts more than its roomiest row can use
         room = (self.max_context - 2 - b.pos).clamp(min=0)                           # [n]
+        deferred = len(b.deferred)  # K=0 cycles the head catches up on if this one drafts
         drafts, qs, Kc = self._draft(b, min(self._choose(b), int(room.max())))
         _sync(self.device)
         t_draft = time.perf_counter() - t
@@ -223,7 +224,8 @@ class ReferenceEngine:
         t_draft += time.perf_counter() - t
         if self.auto is not None:  # what this cycle really cost, against the curve
             head_steps = not (self.hybrid and Kc and all(take for take, _, _ in b.plan))
-            self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps)
+            self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps,
+                                    deferred if Kc else 0)
         self._advance(b, acc, emitted, bonus, room.tolist(), t_draft, t_verify, on_tokens)
         return done + self._collect(b)
 
@@ -275,14 +277,14 @@ class ReferenceEngine:
             return self.steps
         rows = b.rows
         if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run)
+            return self.auto.choose([r.est for r in rows], b.zero_run, len(b.deferred))
         props = [self.drafter.propose_match(r.req.input_ids + r.out, self.steps) for r in rows]
         looks = []
         for r, (toks, m) in zip(rows, props):
             if m and m not in r.est_lookup:
                 r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
             looks.append((r.est_lookup[m], len(toks)) if m else None)
-        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run)
+        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run, len(b.deferred))
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
 
