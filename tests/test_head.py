@@ -264,6 +264,33 @@ def test_cache_select_keeps_rows():
     torch.testing.assert_close(last, full[[2, 0], 5:], atol=2e-5, rtol=1e-5)
 
 
+def test_cache_holds_what_was_written_and_grows():
+    """The buffers grow with the positions written (not max_len up front); caches of different
+    capacities concatenate (a join), and every row still equals its no-cache forward."""
+    head, _, _ = build("mimo", "llama")
+    hidden, ids, positions = inputs(b=2, s=12, start=(0,))
+    with torch.no_grad():
+        full, _ = head(hidden, ids, positions)
+        a = head.new_cache(1, 8192)
+        assert a.capacity == 0 and a.max_len == 8192
+        head(hidden[:1, :3], ids[:1, :3], positions[:1, :3], a)
+        assert a.capacity == a.GROW  # one growth step, not 8,192 positions
+        b = head.new_cache(1, 8192, capacity=4)
+        head(hidden[1:, :4], ids[1:, :4], positions[1:, :4], b)
+        assert b.capacity == 4
+        head(hidden[1:, 4:9], ids[1:, 4:9], positions[1:, 4:9], b)  # grows past its 4
+        assert 9 <= b.capacity < a.GROW + 1
+        # row 0 catches up to position 8, then both rows run on as one batch
+        head(hidden[:1, 3:9], ids[:1, 3:9], positions[:1, 3:9], a)
+        both = head.new_cache(2, 8192)
+        both.k, both.v = a.concat(b)
+        assert both.capacity == max(a.capacity, b.capacity)
+        last, _ = head(hidden[:, 9:], ids[:, 9:], positions[:, 9:], both)
+        with pytest.raises(IndexError, match="beyond the head cache"):
+            head.new_cache(1, 4).reserve(5)
+    torch.testing.assert_close(last, full[:, 9:], atol=2e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # the target's parts are shared, never copied
 # ----------------------------------------------------------------------------------------------

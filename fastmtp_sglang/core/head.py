@@ -183,14 +183,35 @@ class HeadKVCache:
     A step writes its keys at its positions and its queries read every key at a position <= the
     query's. Stale keys beyond a row's current end are harmless: they are overwritten before any
     query can reach them, which is what makes rollback free (docs/design.md section 1.6, draft extend).
+
+    Positions run up to ``max_len``, but the buffers hold only as many as have been written
+    (grown in steps of at least ``GROW`` positions, doubling): a batch whose rows leave and join
+    copies what it uses, not ``max_len`` positions per row (8,197 for the demo target, 6 MB a row
+    in bf16: at 16 rows every join and leave had copied ~100 MB).
     """
 
+    GROW = 256
+
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, T, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, T, D]
+                 dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 0):
+        shape = (batch_size, num_kv_heads, min(capacity, max_len), head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, capacity, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, capacity, D]
         self.max_len = max_len
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold now (0 <= capacity <= max_len)."""
+        return self.k.shape[2]
+
+    def reserve(self, need: int) -> None:
+        """Room for positions [0, need) (zeros past what was written, which nothing reads)."""
+        if need <= self.capacity:
+            return
+        if need > self.max_len:
+            raise IndexError(f"position {need - 1} is beyond the head cache's {self.max_len} positions")
+        cap = min(self.max_len, max(need, 2 * self.capacity, self.GROW))
+        self.k, self.v = _pad_positions(self.k, cap), _pad_positions(self.v, cap)
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """positions [B, S]; k, v [B, n_kv, S, D]."""
@@ -199,9 +220,11 @@ class HeadKVCache:
             # a slice copy instead of a scatter (host reads are free on CPU)
             p0, s = int(positions[0, 0]), positions.shape[1]
             if s == 1 or torch.equal(positions[0], torch.arange(p0, p0 + s)):
+                self.reserve(p0 + s)
                 self.k[:, :, p0:p0 + s] = k
                 self.v[:, :, p0:p0 + s] = v
                 return
+        self.reserve(int(positions.max()) + 1)
         idx = positions[:, None, :, None].expand_as(k)
         self.k.scatter_(2, idx, k.to(self.k.dtype))
         self.v.scatter_(2, idx, v.to(self.v.dtype))
@@ -213,10 +236,19 @@ class HeadKVCache:
 
     def concat(self, other: "HeadKVCache") -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of this cache's rows followed by another's (requests joining a running
-        batch); neither cache is changed."""
+        batch), at the larger of the two capacities; neither cache is changed."""
         if other.max_len != self.max_len:
             raise ValueError(f"head caches of {self.max_len} and {other.max_len} positions")
-        return torch.cat([self.k, other.k]), torch.cat([self.v, other.v])
+        cap = max(self.capacity, other.capacity)
+        return (torch.cat([_pad_positions(self.k, cap), _pad_positions(other.k, cap)]),
+                torch.cat([_pad_positions(self.v, cap), _pad_positions(other.v, cap)]))
+
+
+def _pad_positions(x: torch.Tensor, cap: int) -> torch.Tensor:
+    """x [B, n_kv, T, D] with zeros up to ``cap`` positions (x itself when T == cap)."""
+    if x.shape[2] == cap:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, cap - x.shape[2]))
 
 
 class Attention(nn.Module):
@@ -391,10 +423,12 @@ class FastMTPHead(nn.Module):
         return rot
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> HeadKVCache:
+                  device: torch.device | str | None = None, capacity: int = 0) -> HeadKVCache:
+        """A cache for positions [0, max_len), holding ``capacity`` of them until more are
+        written (HeadKVCache grows on write)."""
         p = self.enorm.weight
         return HeadKVCache(batch_size, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim,
-                           dtype or p.dtype, device or p.device)
+                           dtype or p.dtype, device or p.device, capacity)
 
     # -- maths ----------------------------------------------------------------------------
     def fuse_aux(self, hidden: torch.Tensor) -> torch.Tensor:
