@@ -149,6 +149,15 @@ def summarize(dtype: str, k0: dict, kk: dict, ref: list[dict], steps: int) -> di
     def tps(run):
         return sum(r["completion_tokens"] for r in run["rows"]) / sum(r["wall_s"] for r in run["rows"])
 
+    def vpos(ids):  # accepted drafts per position over these prompts, from vLLM's counters
+        rows = [r for r in kk["rows"] if r["id"] in ids]
+        return [sum(r["accepted_per_pos"][i] for r in rows if len(r["accepted_per_pos"]) > i)
+                for i in range(steps)]
+
+    def rpos(ids):  # the same from the reference engine's cycles (a chain accepts a prefix)
+        rows = [r for r in ref if r["id"] in ids]
+        return [sum(sum(r["hist"][i + 1:]) for r in rows) for i in range(steps)]
+
     ref_cycles = sum(r["cycles"] for r in ref)
     ref_A = [sum(sum(r["hist"][a:]) for r in ref) / ref_cycles if ref_cycles else None
              for a in range(1, steps + 1)]
@@ -159,6 +168,12 @@ def summarize(dtype: str, k0: dict, kk: dict, ref: list[dict], steps: int) -> di
         "tau_vllm": vtau(all_ids), "tau_reference": rtau(all_ids),
         "tau_vllm_same_output": vtau(same_ref), "tau_reference_same_output": rtau(same_ref),
         "A_k_vllm": [c / drafts if drafts else None for c in per_pos], "A_k_reference": ref_A,
+        # on prompts with the same output the two engines verify the same drafts: in fp32 these
+        # counts are equal, cycle for cycle
+        "drafts_vllm_same_output": sum(r["drafts"] for r in kk["rows"] if r["id"] in same_ref),
+        "cycles_reference_same_output": sum(r["cycles"] for r in ref if r["id"] in same_ref),
+        "accepted_per_pos_vllm_same_output": vpos(same_ref),
+        "accepted_per_pos_reference_same_output": rpos(same_ref),
         "drafts_vllm": drafts, "cycles_reference": ref_cycles,
         "tok_s_k0": tps(k0), "tok_s_k": tps(kk), "speedup": tps(kk) / tps(k0),
         "startup_s_k0": k0["startup_s"], "startup_s_k": kk["startup_s"],

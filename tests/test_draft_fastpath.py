@@ -52,6 +52,7 @@ def test_scatter_path_still_serves_batches_and_gaps():
     v = torch.randn_like(k)
     gap = torch.tensor([[2, 5, 9]])
     c1.write(gap, k, v)
+    c2.reserve(16)  # the raw buffers hold only what was written: make room, as write does
     idx = gap[:, None, :, None].expand_as(k)
     c2.k.scatter_(2, idx, k)
     c2.v.scatter_(2, idx, v)
