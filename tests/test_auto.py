@@ -331,5 +331,21 @@ def test_an_uncalibrated_k_inherits_k0s_overhead_at_its_batch_class():
         auto.observe_cycle(0, 16, 1.5 * FLAT.cycle_ms(0, 16))
     assert auto.cycle_ms(1, 16) == pytest.approx(1.5 * FLAT.cycle_ms(1, 16), rel=0.05)
     assert auto.cycle_ms(1, 1) == FLAT.cycle_ms(1, 1)            # another batch class: untouched
-    auto.observe_cycle(1, 16, FLAT.cycle_ms(1, 16))              # once K=1 runs, its own ratio
-    assert auto.cycle_ms(1, 16) < 1.5 * FLAT.cycle_ms(1, 16)
+    auto.observe_cycle(1, 16, FLAT.cycle_ms(1, 16))              # K=1's first cycle is weighed
+    assert auto.cycle_ms(1, 16) == pytest.approx(1.5 * FLAT.cycle_ms(1, 16))  # against the inherited
+    for _ in range(2):                                           # ratio; after a few, its own
+        auto.observe_cycle(1, 16, FLAT.cycle_ms(1, 16))
+    assert auto.cycle_ms(1, 16) == pytest.approx(FLAT.cycle_ms(1, 16))
+
+
+def test_the_odd_slow_cycle_does_not_set_the_price():
+    """One K=0 cycle in five pays a repack or a pause (3x its price): the calibrated price stays
+    at the typical cycle's (an average had put it 40% higher, and drafting beside it looked
+    cheap), and a real shift in the typical cycle moves it within a window."""
+    auto = AutoK(FLAT, 3)
+    for i in range(60):
+        auto.observe_cycle(0, 16, (3.0 if i % 5 == 4 else 1.0) * FLAT.cycle_ms(0, 16))
+    assert auto.calib[(0, 16)] == pytest.approx(1.0)
+    for _ in range(AutoK.CALIB_WINDOW):
+        auto.observe_cycle(0, 16, 1.2 * FLAT.cycle_ms(0, 16))
+    assert auto.calib[(0, 16)] == pytest.approx(1.2)

@@ -223,3 +223,39 @@ def test_sampled_outputs_follow_the_target_over_many_cycles(arm):
     want23 = joint.sum(dim=[0, 1]).reshape(-1)
     emp23 = torch.bincount(got[:, 2] * v + got[:, 3], minlength=v * v).float() / n
     assert 0.5 * (emp23 - want23).abs().sum().item() < 0.09
+
+
+def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
+    """auto's K=0 cycles defer the head's extend; a join no longer catches up first: the new
+    rows' deferred entries repeat their last prompt position, so the catch-up, when the batch
+    next drafts, leaves every row's head state as a catch-up at the join would have (fp32), and
+    every row still gets its alone tokens."""
+    t, head = live_world
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
+    reqs = [Request(list(p), SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS[:3], (20, 9, 26))]
+
+    @torch.inference_mode()
+    def run(catch_up_first: bool):
+        plan = iter([0, 0, 0] + [3] * 100)
+        eng._choose = lambda b: next(plan)
+        b = eng.start(reqs[:2], [0, 1])
+        for _ in range(3):
+            eng.step(b)
+        assert len(b.deferred) == 3
+        if catch_up_first:
+            eng._catch_up(b)
+        eng.join(b, reqs[2:], [2])
+        if not catch_up_first:
+            assert len(b.deferred) == 3 and all(x.shape[0] == 3 for d in b.deferred for x in d)
+            eng._catch_up(b)
+        return b
+
+    deferred, caught = run(False), run(True)
+    assert [r.key for r in deferred.rows] == [r.key for r in caught.rows]
+    assert torch.allclose(deferred.g, caught.g, atol=1e-5, rtol=1e-5)
+    done = {}
+    while len(deferred):
+        done.update((k, r.output_ids) for k, r in eng.step(deferred))
+    eng._choose = lambda b: 3
+    assert done == {i: _alone(ReferenceEngine(t, head, 3), r.input_ids, r.params.max_new_tokens)
+                    for i, r in enumerate(reqs)}

@@ -74,3 +74,25 @@ def test_sampled_tokens_follow_the_target():
     emp = torch.bincount(second, minlength=v).float() / n
     tv = 0.5 * (emp - want).abs().sum().item()
     assert tv < 0.05, f"total variation {tv:.3f}"
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 2), (1, 4), (2, 3), (3, 3)])
+def test_index_proposes_what_the_scan_proposes_as_the_sequence_grows(min_n, max_n):
+    """NgramIndex (what the engine uses: one per request, fed the new tokens) returns the scan's
+    proposal and match length after every append, over small vocabularies where n-grams recur."""
+    import random
+
+    from fastmtp_sglang.decode.ngram import NgramIndex
+
+    d = NgramDrafter(max_n, min_n)
+    rng = random.Random(min_n * 10 + max_n)
+    for vocab in (2, 3, 6):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        idx, out = NgramIndex(d), []
+        for _ in range(40):
+            idx.sync(prompt, out)
+            for k in (1, 3, 5):
+                assert idx.propose_match(k) == d.propose_match(prompt + out, k)
+            out.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+    idx.sync([9, 9, 9], [])  # another sequence: rebuilt, not mixed with the old one
+    assert idx.propose_match(2) == d.propose_match([9, 9, 9], 2)

@@ -125,3 +125,65 @@ def test_only_cpu_sdpa_models_switch():
     m = _gqa_model()
     m.set_attn_implementation("eager")
     assert not use_gqa_sdpa(m) and m.config._attn_implementation == "eager"
+
+
+def _filled_cache(rows: int, slots: int, g: torch.Generator, layers: int = 2) -> SlotCache:
+    c = SlotCache()
+    for li in range(layers):
+        c.update(torch.randn(rows, 2, slots, 4, generator=g), torch.randn(rows, 2, slots, 4, generator=g), li)
+    return c
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
+
+
+def test_rows_join_leave_and_repack_in_place_like_cat_and_select():
+    """Continuous batching's row operations (Batch.merge / remove / repack) give the tensors the
+    copying forms give (cat of zero-padded rows, index select, gather), write into the same
+    buffers, and never touch a row that stays when others leave."""
+    g = torch.Generator().manual_seed(3)
+    c = _filled_cache(3, 10, g)
+    ref = [(l.keys.clone(), l.values.clone()) for l in c.layers]
+    # a narrower batch joins, then a wider one (every layer padded with zero slots)
+    for rows, slots in ((2, 6), (1, 14)):
+        other = _filled_cache(rows, slots, g)
+        w = max(ref[0][0].shape[-2], slots)
+        ref = [(torch.cat([_pad(k, w), _pad(lo.keys, w)]), torch.cat([_pad(v, w), _pad(lo.values, w)]))
+               for (k, v), lo in zip(ref, other.layers)]
+        c.append(other)
+        for l, (k, v) in zip(c.layers, ref):
+            assert torch.equal(l.keys, k) and torch.equal(l.values, v)
+    buf = c.layers[0]._k.data_ptr()
+    # rows 1 and 3 leave; the last row kept (5) moves into 1, the one after (4) into 3
+    kept = c.layers[0].keys[[0, 2, 4]].clone()
+    c.move_rows([1, 3], [5, 4], 4)
+    order = [0, 5, 2, 4]
+    ref = [(k[order], v[order]) for k, v in ref]
+    for l, (k, v) in zip(c.layers, ref):
+        assert torch.equal(l.keys, k) and torch.equal(l.values, v)
+    assert torch.equal(c.layers[0].keys[[0, 2]], kept[:2]) and c.layers[0]._k.data_ptr() == buf
+    # more steps, then a repack that keeps each row's odd slots
+    k1, v1 = torch.randn(4, 2, 3, 4, generator=g), torch.randn(4, 2, 3, 4, generator=g)
+    for li, l in enumerate(c.layers):
+        c.update(k1, v1, li)
+    ref = [(torch.cat([k, k1], 2), torch.cat([v, v1], 2)) for k, v in ref]
+    order_slots = torch.arange(1, 17, 2)[None].expand(4, 8)
+    c.repack(order_slots)
+    for l, (k, v) in zip(c.layers, ref):
+        assert torch.equal(l.keys, k[:, :, 1:17:2]) and torch.equal(l.values, v[:, :, 1:17:2])
+    with pytest.raises(ValueError, match="holes before them"):
+        c.move_rows([3], [0], 3)  # a row kept may not be overwritten
+
+
+def test_rows_that_join_a_grown_buffer_read_finite_zero_padding():
+    """A row written narrower than the batch reads zeros in its hidden slots (never stale or
+    uninitialised memory, which could be NaN and poison attention despite the mask)."""
+    g = torch.Generator().manual_seed(4)
+    c = _filled_cache(2, 20, g)
+    c.move_rows([], [], 1)                  # row 1 leaves: its slots stay in the pool
+    c.append(_filled_cache(1, 5, g))        # a short row takes its place
+    assert torch.equal(c.layers[0].keys[1, :, 5:], torch.zeros(2, 15, 4))
+    c.append(_filled_cache(3, 30, g))       # wider: the old rows' new slots are zeros too
+    assert torch.equal(c.layers[1].values[:2, :, 20:], torch.zeros(2, 2, 10, 4))
+    assert torch.isfinite(c.layers[0].keys).all()

@@ -23,12 +23,16 @@ Any K is lossless (every cycle is verified), so the choice changes speed, never 
 
 Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand, and are
 corrected online: every cycle's wall time is compared with what the curve says a cycle at that K
-and batch size costs, and an EMA of the ratio per K scales that K's cost from then on (a serving
-loop costs more per cycle than the bare calls the curve times, and more so at larger K).
+and batch size costs, and the median of the last 15 ratios per K and batch-size class scales that
+K's cost from then on (a serving loop costs more per cycle than the bare calls the curve times,
+and more so at larger K; a median, so the odd cycle that pays a repack or a VM pause does not
+set the price).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -154,6 +158,8 @@ class AutoK:
         estimate is noisy, and K=0 is the arm that cannot lose to plain decoding)
     """
 
+    CALIB_WINDOW = 15  # cycles per (K, batch class) whose median ratio calibrates the curve
+
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
                  probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
                  margin: float = 0.03, probe_budget: float = 0.02):
@@ -174,8 +180,13 @@ class AutoK:
         # measured on bare calls; a serving loop adds its own (attention over slot holes and
         # the longest row's width, bookkeeping per row), more so at larger K and batch. Starts
         # at 1 (trust the curve) and follows the cycles that ran.
+        # The median of the last CALIB_WINDOW ratios, not a moving average: a repack, a leave or
+        # a pause of the VM makes a cycle 2-3x its price now and then, and an average of such
+        # outliers lifted K=0's price 12% above its typical cycle at 16 rows, where drafting
+        # then looked as cheap as K=0 and lost (design 6.7).
         self.calib: dict[tuple[int, int], float] = {}
-        self.calib_alpha = 0.1 if calibrate else 0.0  # 0: trust the curve as given (tests)
+        self._ratios: dict[tuple[int, int], deque] = {}
+        self.calibrate = calibrate  # False: trust the curve as given (tests)
 
     def new_estimate(self, source: str = "head") -> list[float]:
         """Where a new request starts: what the requests before it measured."""
@@ -226,10 +237,13 @@ class AutoK:
         """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend, with the
         catch-up over ``deferred`` K=0 cycles' positions when it ran one)."""
         model = self._model_ms(k, batch, head_steps, deferred)
-        if model > 0 and ms > 0 and self.calib_alpha:
+        if model > 0 and ms > 0 and self.calibrate:
             key = (k, batch_class(batch))
-            c = self.calib.get(key, self.calib.get((0, key[1]), 1.0))
-            self.calib[key] = c + self.calib_alpha * (min(ms / model, 10.0) - c)
+            prior = self.calib.get(key, self.calib.get((0, key[1]), 1.0))
+            window = self._ratios.setdefault(key, deque(maxlen=self.CALIB_WINDOW))
+            window.append(min(ms / model, 10.0))
+            # a K's first cycles are weighed against what it inherited (K=0's ratio, or 1)
+            self.calib[key] = statistics.median(list(window) + [prior] * max(0, 3 - len(window)))
 
     def best(self, ests: list[list[float]], deferred: int = 0) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""

@@ -34,6 +34,7 @@ class Row:
         self.text_checked = 0  # how many output tokens the stop-string check has seen
         self.est: list[float] = []  # auto: running conditional acceptance per draft position
         self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
+        self.ngram = None  # prompt lookup's index of prompt + out (decode/ngram.py: NgramIndex)
         self.t_decode = 0.0  # perf_counter when its decoding began (after its prefill)
         # one generator per request: a seeded request samples the same tokens whatever batch it
         # shares, at a fixed K (auto, or a batch near the context limit, can change the cycle's
@@ -61,6 +62,9 @@ class Batch:
         self.dcache = self.g = self.tidx = self.extra = None
         self.zero_run = 0    # cycles in a row at K=0 (auto)
         self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
+        # the head's input at each row's last prompt position (auto): what a row joining a batch
+        # with deferred extends repeats in their place (see merge)
+        self.tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _index(self) -> None:
         """Number the rows 0..n-1 and rebuild the per-row sampling tensors."""
@@ -100,8 +104,10 @@ class Batch:
         return [r for r in self.rows if r.finish is not None]
 
     def remove(self, gone: list[Row]) -> None:
-        """Drop these rows from every batched tensor and re-index the rest (all or nothing:
-        when a select raises, the batch is as it was)."""
+        """Drop these rows from every batched tensor and re-index the rest. The last rows kept
+        move into the places of rows leaving before them (the target's cache copies only the
+        rows it moves), so the rows' order changes. When it raises, the rows kept are as they
+        were (only the places of rows leaving are written before the batch changes)."""
         if not gone:
             return
         ids = {id(r) for r in gone}
@@ -113,8 +119,13 @@ class Batch:
             self.dcache = self.g = self.tidx = self.extra = None
             self.deferred = []
             return
-        sel = torch.tensor([r.index for r in live], dtype=torch.long, device=self.engine.device)
-        layers = [(l.keys[sel], l.values[sel]) for l in _layers(self.cache)]
+        n = len(live)
+        holes = [j for j in range(n) if id(self.rows[j]) in ids]
+        tail = [j for j in range(n, len(self.rows)) if id(self.rows[j]) not in ids]
+        order = list(range(n))
+        for h, t in zip(holes, tail):
+            order[h] = t
+        sel = torch.tensor(order, dtype=torch.long, device=self.engine.device)
         new = {"valid": self.valid[sel], "pending": self.pending[sel], "pos": self.pos[sel]}
         if self.use_head:
             dk, dv = self.dcache.k[sel], self.dcache.v[sel]
@@ -122,37 +133,42 @@ class Batch:
             if self.tidx is not None:
                 new.update(tidx=self.tidx[sel],
                            extra=self.extra[sel] if self.extra is not None else None)
+        self.cache.move_rows(holes, tail, n)
         # nothing below allocates: the batch changes at once
-        for l, (k, v) in zip(_layers(self.cache), layers):
-            l.keys, l.values = k, v
         if self.use_head:
             self.dcache.k, self.dcache.v = dk, dv
         self.__dict__.update(new)
-        self.rows = live
+        self.rows = [self.rows[i] for i in order]
         self._index()
 
     def merge(self, other: "Batch") -> None:
-        """Append the rows of a freshly prefilled batch (continuous batching; all or nothing).
-        The head's deferred draft extends (auto's K=0 cycles) must have been caught up first."""
-        if self.deferred:
-            raise RuntimeError("merge after the deferred draft extends were caught up")
+        """Append the rows of a freshly prefilled batch (continuous batching; all or nothing:
+        the target's cache writes them into free rows of its buffers, see SlotCache.append).
+        When this batch has deferred draft extends (auto's K=0 cycles), the new rows' entries
+        repeat their last prompt position (``other.tail``): re-running the head there rewrites
+        the key it wrote at its prefill and gives the hidden state it gave, so the batch catches
+        up when it next drafts, not at every join."""
+        if self.deferred and other.tail is None:
+            raise RuntimeError("rows joining a batch with deferred draft extends need their tail")
         if not self.rows:
             self.__dict__.update({k: v for k, v in other.__dict__.items() if k != "zero_run"})
             return
-        cache, valid = merge_slot_caches(self.cache, self.valid, other.cache, other.valid)
+        S = max(self.valid.shape[1], other.valid.shape[1])
+        pad = lambda v: torch.nn.functional.pad(v, (0, S - v.shape[1]), value=False)  # noqa: E731
         new = {"pending": torch.cat([self.pending, other.pending]),
-               "pos": torch.cat([self.pos, other.pos])}
+               "pos": torch.cat([self.pos, other.pos]),
+               "valid": torch.cat([pad(self.valid), pad(other.valid)])}
         if self.use_head:
             dk, dv = self.dcache.concat(other.dcache)
             new["g"] = torch.cat([self.g, other.g])
+            new["deferred"] = [tuple(torch.cat([x, t]) for x, t in zip(d, other.tail))
+                               for d in self.deferred]
             if self.tidx is not None:
                 new["tidx"] = torch.cat([self.tidx, other.tidx])
                 if self.extra is not None:
                     new["extra"] = _cat_padded(self.extra, other.extra, -1)
+        self.cache.append(other.cache)
         # nothing below allocates: the batch changes at once
-        for l, (k, v) in zip(_layers(self.cache), cache):
-            l.keys, l.values = k, v
-        self.valid = valid
         if self.use_head:
             self.dcache.k, self.dcache.v = dk, dv
         self.__dict__.update(new)
@@ -160,14 +176,20 @@ class Batch:
         self._index()
 
     def repack(self) -> None:
-        """Move every row's live slots to the front when the holes exceed REPACK_SLACK."""
+        """Move every row's live slots to the front when the holes exceed REPACK_SLACK
+        (attention over a row's keys does not depend on where they sit: positions are in the
+        rotated keys, the mask says which are live)."""
         if self.valid.shape[1] <= REPACK_SLACK:  # (every cycle: skip the count while small)
             return
         counts = self.valid.sum(1)
         width = int(counts.max())
         if self.valid.shape[1] - width <= REPACK_SLACK:
             return
-        self.cache, self.valid = repack_slot_cache(self.cache, self.valid, width)
+        # stable order: live slots first, each row's in their original order
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
+        valid = self.valid.gather(1, order)
+        self.cache.repack(order)
+        self.valid = valid
 
     def start_decode(self) -> None:
         now = time.perf_counter()
@@ -180,46 +202,3 @@ def _cat_padded(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
     w = max(a.shape[1], b.shape[1])
     pad = lambda x: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=fill)  # noqa: E731
     return torch.cat([pad(a), pad(b)])
-
-
-def _layers(cache) -> list:
-    layers = getattr(cache, "layers", None)
-    if layers is None or any(not hasattr(l, "keys") or not hasattr(l, "values") for l in layers):
-        raise TypeError(f"continuous batching needs a transformers DynamicCache of plain layers, "
-                        f"got {type(cache).__name__}")
-    return layers
-
-
-def merge_slot_caches(ca, va: torch.Tensor, cb, vb: torch.Tensor):
-    """Two slot caches (DynamicCache, valid mask [n, S]) -> ([(keys, values)] per layer, valid)
-    over both batches' rows: the narrower is padded with hidden slots, then the rows are
-    concatenated. Neither cache is changed."""
-    S = max(va.shape[1], vb.shape[1])
-
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, 0, 0, S - x.shape[-2]))
-
-    layers = [(torch.cat([pad(la.keys), pad(lb.keys)]), torch.cat([pad(la.values), pad(lb.values)]))
-              for la, lb in zip(_layers(ca), _layers(cb))]
-    valid = torch.cat([torch.nn.functional.pad(va, (0, S - va.shape[1]), value=False),
-                       torch.nn.functional.pad(vb, (0, S - vb.shape[1]), value=False)])
-    return layers, valid
-
-
-def repack_slot_cache(cache, valid: torch.Tensor, width: int):
-    """Gather each row's live slots (in order) into the first ``width`` slots: attention over a
-    row's keys does not depend on where they sit (positions are in the rotated keys, the mask
-    says which are live), so the outputs stay the same up to summation order."""
-    n, S = valid.shape
-    # stable order: live slots first, each row's in their original order
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :width]     # [n, width]
-    new_valid = valid.gather(1, order)
-    layers = _layers(cache)
-    moved = []
-    for layer in layers:  # everything first: a failure leaves the cache as it was
-        h, d = layer.keys.shape[1], layer.keys.shape[-1]
-        idx = order[:, None, :, None].expand(n, h, width, d)
-        moved.append((layer.keys.gather(2, idx), layer.values.gather(2, idx)))
-    for layer, (k, v) in zip(layers, moved):
-        layer.keys, layer.values = k, v
-    return cache, new_valid

@@ -34,6 +34,7 @@ from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
+from fastmtp_sglang.decode.ngram import NgramIndex
 from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
@@ -191,10 +192,7 @@ class ReferenceEngine:
     def join(self, b: Batch, requests: list[Request], keys: list, on_tokens=None) -> None:
         """Continuous batching: prefill ``requests`` and add them to the running batch ``b``
         between two cycles. Raises before touching ``b`` when they fail validation or prefill."""
-        new = self.start(requests, keys, on_tokens)
-        if b.deferred:
-            self._catch_up(b)
-        b.merge(new)
+        b.merge(self.start(requests, keys, on_tokens))
 
     @torch.inference_mode()
     def step(self, b: Batch, on_tokens=None) -> list[tuple[Any, Result]]:
@@ -258,6 +256,9 @@ class ReferenceEngine:
             b.dcache = self.head.new_cache(B, max_len, device=dev)
             g, _ = self.head(feats, nxt, ar[None].expand(B, L), b.dcache, return_logits=False)
             b.g = g[torch.arange(B, device=dev), lens - 1]                            # [B, H]
+            if self.auto is not None:  # what the head read at the last prompt position
+                last = torch.arange(B, device=dev), lens - 1
+                b.tail = (feats[last][:, None], b.pending[:, None], (lens - 1)[:, None])
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
                 b.tidx, b.extra = self.draft_vocab.choose(ids, b.valid)
         _sync(dev)
@@ -278,7 +279,7 @@ class ReferenceEngine:
         rows = b.rows
         if not self.hybrid:
             return self.auto.choose([r.est for r in rows], b.zero_run, len(b.deferred))
-        props = [self.drafter.propose_match(r.req.input_ids + r.out, self.steps) for r in rows]
+        props = [self._lookup(r, self.steps) for r in rows]
         looks = []
         for r, (toks, m) in zip(rows, props):
             if m and m not in r.est_lookup:
@@ -475,13 +476,22 @@ class ReferenceEngine:
 
         A row without a full proposal is padded with its last proposed (or pending) token: a
         guess that costs one verified slot and changes nothing else."""
-        props = [self.drafter.propose(r.req.input_ids + r.out, K) for r in rows]
+        props = [self._lookup(r, K)[0] for r in rows]
         n = len(props)
         if not any(props):
             return torch.empty(n, 0, dtype=torch.long, device=self.device), 0
         pend = pending.tolist()
         out = [(p + [p[-1] if p else pend[j]] * K)[:K] for j, p in enumerate(props)]
         return torch.tensor(out, dtype=torch.long, device=self.device), K
+
+    def _lookup(self, r: Row, k: int) -> tuple[list[int], int]:
+        """The drafter's proposal for row ``r`` and the length of the suffix it matched, from
+        the row's own index of its sequence (decode/ngram.py: NgramIndex; same result as
+        ``drafter.propose_match(prompt + out, k)``)."""
+        if r.ngram is None:
+            r.ngram = NgramIndex(self.drafter)
+        r.ngram.sync(r.req.input_ids, r.out)
+        return r.ngram.propose_match(k)
 
     def _decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)

@@ -46,3 +46,49 @@ class NgramDrafter:
                     if cont:
                         return cont, n
         return [], 0
+
+
+class NgramIndex:
+    """:meth:`NgramDrafter.propose_match` over one growing sequence (a request's prompt and its
+    output so far) in O(max_ngram) dictionary lookups per call: the earliest start of every
+    n-gram that has a token after it is kept, and :meth:`sync` adds only the new tokens' n-grams.
+    The scan costs a Python loop over the whole sequence per call, ~0.5 ms a row at 800 tokens:
+    at 16 rows, every cycle of the hybrid drafter paid that before it could choose K=0."""
+
+    def __init__(self, drafter: NgramDrafter):
+        self.drafter = drafter
+        self.seq: list[int] = []
+        self.first: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(drafter.min_ngram, drafter.max_ngram + 1)}
+
+    def sync(self, prompt: list[int], out: list[int]) -> None:
+        """Catch up with ``prompt + out`` (which only grows; anything else rebuilds)."""
+        have, plen = len(self.seq), len(prompt)
+        if have > plen + len(out) or (have and (self.seq[0] != prompt[0] or have < plen)):
+            self.__init__(self.drafter)
+            have = 0
+        if have < plen:
+            self._extend(prompt[have:])
+            have = plen
+        if have - plen < len(out):
+            self._extend(out[have - plen:])
+
+    def _extend(self, toks: list[int]) -> None:
+        seq = self.seq
+        old = len(seq)
+        seq.extend(toks)
+        new = len(seq)
+        for n, table in self.first.items():
+            # starts i with a token after the n-gram (i + n < len): those not registered before
+            for i in range(max(0, old - n), new - n):
+                table.setdefault(tuple(seq[i:i + n]), i)
+
+    def propose_match(self, k: int) -> tuple[list[int], int]:
+        """What ``drafter.propose_match(self.seq, k)`` returns."""
+        seq, d = self.seq, self.drafter
+        n_seq = len(seq)
+        for n in range(min(d.max_ngram, n_seq - 1), d.min_ngram - 1, -1):
+            i = self.first[n].get(tuple(seq[n_seq - n:]))
+            if i is not None:
+                return seq[i + n: i + n + k], n
+        return [], 0

@@ -31,33 +31,41 @@ ATTN_NAME = "fastmtp_sdpa"
 
 
 class SlotLayer(DynamicLayer):
-    """One layer's keys and values, [B, n_kv, slots, D] views of buffers with free slots."""
+    """One layer's keys and values, [B, n_kv, slots, D] views of buffers with free rows and
+    slots: the first ``B`` rows of the buffers are the batch's, the rest are a pool that rows
+    joining later are written into (:meth:`append_rows`), and rows leaving are replaced by moving
+    the last rows into their place (:meth:`move_rows`), so neither copies the rows that stay."""
 
     def __init__(self, **kwargs):
         self._k = self._v = None
-        self._n = 0
+        self._n = 0   # filled slots of every row
+        self._b = 0   # rows of the batch (the buffers may hold more)
         super().__init__(**kwargs)
 
     # the filled part; assigning replaces the buffers (a copy with SLACK free slots)
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, : self._n]
+        return None if self._k is None else self._k[: self._b, :, : self._n]
 
     @keys.setter
     def keys(self, x: torch.Tensor | None) -> None:
         self._k = _with_room(x)
         if x is not None:
-            self._n = x.shape[-2]
+            self._b, self._n = x.shape[0], x.shape[-2]
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self._n]
+        return None if self._v is None else self._v[: self._b, :, : self._n]
 
     @values.setter
     def values(self, x: torch.Tensor | None) -> None:
         self._v = _with_room(x)
         if x is not None:
-            self._n = x.shape[-2]
+            self._b, self._n = x.shape[0], x.shape[-2]
+
+    @property
+    def rows_capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[0]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -74,13 +82,68 @@ class SlotLayer(DynamicLayer):
             self._k = _with_room(key_states[..., :0, :])
             self._v = _with_room(value_states[..., :0, :])
             n = self._n = 0
-        if n + s > self._k.shape[-2]:
-            self._k = _grow(self._k, n, n + s)
-            self._v = _grow(self._v, n, n + s)
-        self._k[:, :, n: n + s] = key_states
-        self._v[:, :, n: n + s] = value_states
+            self._b = key_states.shape[0]
+        if key_states.shape[0] != self._b:
+            raise ValueError(f"{key_states.shape[0]} rows written into a cache of {self._b}")
+        self.reserve(self._b, n + s)
+        self._k[: self._b, :, n: n + s] = key_states
+        self._v[: self._b, :, n: n + s] = value_states
         self._n = n + s
         return self.keys, self.values
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Buffers with at least ``rows`` rows and ``slots`` slots (grown with SLACK slots and
+        doubling; the filled part is kept, new room is zeros)."""
+        R, S = self._k.shape[0], self._k.shape[-2]
+        if rows <= R and slots <= S:
+            return
+        R2 = R if rows <= R else max(rows, 2 * R)
+        S2 = S if slots <= S else max(slots + SLACK, 2 * S)
+        self._k = _regrow(self._k, self._b, self._n, R2, S2)
+        self._v = _regrow(self._v, self._b, self._n, R2, S2)
+
+    def move_rows(self, dst: list[int], src: list[int], rows: int) -> None:
+        """Row ``dst[i]`` takes row ``src[i]``'s slots (rows leaving are overwritten by rows
+        kept), then the batch is the first ``rows`` rows. Copies only the moved rows."""
+        if dst:
+            n = self._n
+            d = torch.tensor(dst, device=self._k.device)
+            s = torch.tensor(src, device=self._k.device)
+            self._k[d, :, :n] = self._k[s, :, :n]
+            self._v[d, :, :n] = self._v[s, :, :n]
+        self._b = rows
+
+    def prepare_append(self, other: "SlotLayer") -> None:
+        """Room for ``other``'s rows after this batch's (allocates; changes no filled slot)."""
+        self.reserve(self._b + other._b, max(self._n, other._n))
+
+    def append_rows(self, other: "SlotLayer") -> None:
+        """Write ``other``'s rows after this batch's, padded to the wider of the two with zero
+        (hidden) slots; :meth:`prepare_append` first (this one does not allocate)."""
+        b, n, m, s = self._b, self._n, other._b, other._n
+        if s > n:  # slots the rows already here never wrote: zeros (masked, but must be finite)
+            self._k[:b, :, n:s].zero_()
+            self._v[:b, :, n:s].zero_()
+        self._k[b: b + m, :, :s] = other.keys
+        self._v[b: b + m, :, :s] = other.values
+        if s < n:
+            self._k[b: b + m, :, s:n].zero_()
+            self._v[b: b + m, :, s:n].zero_()
+        self._b, self._n = b + m, max(n, s)
+
+    def gathered(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's slots in ``order`` [B, width] (new tensors; see :meth:`SlotCache.repack`)."""
+        b, w = order.shape
+        h, d = self._k.shape[1], self._k.shape[-1]
+        idx = order[:, None, :, None].expand(b, h, w, d)
+        return self.keys.gather(2, idx), self.values.gather(2, idx)
+
+    def set_slots(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The batch's slots become ``k`` / ``v`` [B, n_kv, width, D], written in place."""
+        w = k.shape[-2]
+        self._k[: self._b, :, :w] = k
+        self._v[: self._b, :, :w] = v
+        self._n = w
 
     def get_seq_length(self) -> int:
         return self._n if self._k is not None else 0
@@ -94,28 +157,64 @@ class SlotLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._k = self._v = None
-        self._n = 0
+        self._n = self._b = 0
         self.is_initialized = False
 
 
 class SlotCache(DynamicCache):
-    """A ``DynamicCache`` of :class:`SlotLayer` (one per decoder layer, created on first use)."""
+    """A ``DynamicCache`` of :class:`SlotLayer` (one per decoder layer, created on first use),
+    with the row operations of continuous batching done in place: rows leave
+    (:meth:`move_rows`) and join (:meth:`append`) without copying the rows that stay."""
 
     def __init__(self):
         Cache.__init__(self, layer_class_to_replicate=SlotLayer)
+
+    def _slot_layers(self) -> list[SlotLayer]:
+        if any(not isinstance(l, SlotLayer) or l._k is None for l in self.layers):
+            raise TypeError("row operations need every layer of a SlotCache filled")
+        return self.layers
+
+    def move_rows(self, dst: list[int], src: list[int], rows: int) -> None:
+        """Row ``dst[i]`` of every layer takes row ``src[i]``; the batch keeps ``rows`` rows.
+        Only rows that leave may be destinations, so a failure part-way through changes no
+        row that stays."""
+        if not all(d < rows <= s for d, s in zip(dst, src)):
+            raise ValueError("move_rows moves rows from past the kept ones into holes before them")
+        for layer in self._slot_layers():
+            layer.move_rows(dst, src, rows)
+
+    def append(self, other: "SlotCache") -> None:
+        """Append ``other``'s rows (a freshly prefilled batch; ``other`` is not changed). All or
+        nothing: the buffers are grown first, then written where no row of this batch reads."""
+        mine, theirs = self._slot_layers(), other._slot_layers()
+        if len(mine) != len(theirs):
+            raise ValueError(f"caches of {len(mine)} and {len(theirs)} layers")
+        for a, b in zip(mine, theirs):
+            a.prepare_append(b)
+        for a, b in zip(mine, theirs):
+            a.append_rows(b)
+
+    def repack(self, order: torch.Tensor) -> None:
+        """Each row's slots become its slots in ``order`` [B, width] (gathered for every layer
+        first, then written in place)."""
+        layers = self._slot_layers()
+        moved = [layer.gathered(order) for layer in layers]
+        for layer, (k, v) in zip(layers, moved):
+            layer.set_slots(k, v)
 
 
 def _with_room(x: torch.Tensor | None) -> torch.Tensor | None:
     if x is None:
         return None
-    buf = x.new_empty(*x.shape[:-2], x.shape[-2] + SLACK, x.shape[-1])
+    buf = x.new_zeros(*x.shape[:-2], x.shape[-2] + SLACK, x.shape[-1])
     buf[..., : x.shape[-2], :] = x
     return buf
 
 
-def _grow(buf: torch.Tensor, filled: int, need: int) -> torch.Tensor:
-    new = buf.new_empty(*buf.shape[:-2], max(need + SLACK, 2 * buf.shape[-2]), buf.shape[-1])
-    new[..., :filled, :] = buf[..., :filled, :]
+def _regrow(buf: torch.Tensor, rows: int, filled: int, R: int, S: int) -> torch.Tensor:
+    """A zero buffer of R rows and S slots holding ``buf``'s first ``rows`` rows' ``filled`` slots."""
+    new = buf.new_zeros(R, *buf.shape[1:-2], S, buf.shape[-1])
+    new[:rows, ..., :filled, :] = buf[:rows, ..., :filled, :]
     return new
 
 
