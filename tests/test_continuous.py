@@ -232,7 +232,8 @@ def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
     every row still gets its alone tokens."""
     t, head = live_world
     eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
-    reqs = [Request(list(p), SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS[:3], (20, 9, 26))]
+    reqs = [Request(list(p), SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS[:4], (20, 9, 26, 7))]
+    eng.prefill_call_tokens = 0  # the two joiners (11 and 3 tokens) are prefilled apart, then merged
 
     @torch.inference_mode()
     def run(catch_up_first: bool):
@@ -244,9 +245,9 @@ def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
         assert len(b.deferred) == 3
         if catch_up_first:
             eng._catch_up(b)
-        eng.join(b, reqs[2:], [2])
+        eng.join(b, reqs[2:], [2, 3])
         if not catch_up_first:
-            assert len(b.deferred) == 3 and all(x.shape[0] == 3 for d in b.deferred for x in d)
+            assert len(b.deferred) == 3 and all(x.shape[0] == 4 for d in b.deferred for x in d)
             eng._catch_up(b)
         return b
 

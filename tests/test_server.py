@@ -507,10 +507,10 @@ def faulty_engine(target, delay_s: float = 0.0, fail_after: int | None = None):
             time.sleep(delay_s)
             return super()._target(*args, **kwargs)
 
-        def _prefill(self, requests, keys, on_tokens):
+        def _prefill(self, requests, keys, on_tokens, *room):
             if fail_after is None and any(list(r.input_ids[:4]) == POISON for r in requests):
                 raise RuntimeError("poisoned")
-            return super()._prefill(requests, keys, on_tokens)
+            return super()._prefill(requests, keys, on_tokens, *room)
 
         def step(self, b, on_tokens=None):
             if fail_after is None or not any(list(r.req.input_ids[:4]) == POISON for r in b.rows):
@@ -585,9 +585,9 @@ def test_a_stream_rerun_after_a_fault_resumes_from_what_it_sent(world, local_tar
     prefills = []
     real = engine._prefill
 
-    def recording(requests, keys, on_tokens):
+    def recording(requests, keys, on_tokens, *room):
         prefills.append([list(r.input_ids) for r in requests])
-        return real(requests, keys, on_tokens)
+        return real(requests, keys, on_tokens, *room)
 
     engine._prefill = recording
     with ReferenceServer(engine, "127.0.0.1", 0, max_batch=2, batch_window_s=5.0) as srv:

@@ -51,13 +51,13 @@ from fastmtp_sglang.decode import engine as _engine
 
 _prefill, _target = _engine.ReferenceEngine._prefill, _engine.ReferenceEngine._target
 
-def prefill(self, requests, keys, on_tokens):
+def prefill(self, requests, keys, on_tokens, *room):
     # a slow prefill, so requests queue behind it and join in groups (the poisoned one among
     # others: its batch must be split to find it)
     time.sleep(0.05)
     if any(list(r.input_ids[:4]) == {POISON!r} for r in requests):
         raise RuntimeError("injected fault: a poisoned request")
-    return _prefill(self, requests, keys, on_tokens)
+    return _prefill(self, requests, keys, on_tokens, *room)
 
 def target(self, *args, **kwargs):
     time.sleep(0.005)

@@ -134,6 +134,7 @@ class Batch:
                 new.update(tidx=self.tidx[sel],
                            extra=self.extra[sel] if self.extra is not None else None)
         self.cache.move_rows(holes, tail, n)
+        self.tail = None  # (only a freshly prefilled batch joins another)
         # nothing below allocates: the batch changes at once
         if self.use_head:
             self.dcache.k, self.dcache.v = dk, dv
@@ -141,7 +142,7 @@ class Batch:
         self.rows = [self.rows[i] for i in order]
         self._index()
 
-    def merge(self, other: "Batch") -> None:
+    def merge(self, other: "Batch", rows: int = 0, slots: int = 0) -> None:
         """Append the rows of a freshly prefilled batch (continuous batching; all or nothing:
         the target's cache writes them into free rows of its buffers, see SlotCache.append).
         When this batch has deferred draft extends (auto's K=0 cycles), the new rows' entries
@@ -163,11 +164,13 @@ class Batch:
             new["g"] = torch.cat([self.g, other.g])
             new["deferred"] = [tuple(torch.cat([x, t]) for x, t in zip(d, other.tail))
                                for d in self.deferred]
+            if self.tail is not None and other.tail is not None:  # prefill groups merging
+                new["tail"] = tuple(torch.cat([x, t]) for x, t in zip(self.tail, other.tail))
             if self.tidx is not None:
                 new["tidx"] = torch.cat([self.tidx, other.tidx])
                 if self.extra is not None:
                     new["extra"] = _cat_padded(self.extra, other.extra, -1)
-        self.cache.append(other.cache)
+        self.cache.append(other.cache, rows, slots)
         # nothing below allocates: the batch changes at once
         if self.use_head:
             self.dcache.k, self.dcache.v = dk, dv

@@ -35,7 +35,7 @@ from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.ngram import NgramIndex
-from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
+from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
 
 
@@ -139,6 +139,9 @@ class ReferenceEngine:
         self.eos_ids = set(target.eos_ids)
         self.draft_vocab = draft_vocab  # fastmtp_sglang.vocab.draft_vocab.DraftVocab, or None = full vocab
         self.prefill_call_tokens = PREFILL_CALL_TOKENS  # how prompts are grouped into prefills
+        # rows a running batch's cache makes room for when a join must grow it (the server sets
+        # its max batch): it then copies itself once, not at every doubling
+        self.rows_hint = 0
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -177,22 +180,28 @@ class ReferenceEngine:
     def start(self, requests: list[Request], keys: list, on_tokens=None) -> Batch:
         """Prefill ``requests`` into a new batch (each emits its first token) for ``step`` to
         run; ``keys`` name the rows in ``on_tokens(key, ids)`` and in ``step``'s results."""
+        return self._start(requests, keys, on_tokens, self.rows_hint)
+
+    def _start(self, requests: list[Request], keys: list, on_tokens, rows: int) -> Batch:
+        """``start``, with room in the target's cache for ``rows`` rows (a batch others join)."""
         for r in requests:
             self.validate(r)
-        b = None
-        for g in prefill_groups([len(r.input_ids) for r in requests], self.prefill_call_tokens) or [[]]:
-            part = self._prefill([requests[i] for i in g], [keys[i] for i in g], on_tokens)
-            if b is None:
-                b = part
-            else:
-                b.merge(part)
+        groups = prefill_groups([len(r.input_ids) for r in requests], self.prefill_call_tokens) or [[]]
+        # the first group's cache is made with room for every group: merging them copies nothing
+        room = (max(len(requests), rows), max((len(r.input_ids) for r in requests), default=0) + SLACK)
+        parts = [self._prefill([requests[i] for i in g], [keys[i] for i in g], on_tokens,
+                               room if j == 0 else (0, 0))
+                 for j, g in enumerate(groups)]
+        b = parts[0]
+        for part in parts[1:]:
+            b.merge(part)
         return b
 
     @torch.inference_mode()
     def join(self, b: Batch, requests: list[Request], keys: list, on_tokens=None) -> None:
         """Continuous batching: prefill ``requests`` and add them to the running batch ``b``
         between two cycles. Raises before touching ``b`` when they fail validation or prefill."""
-        b.merge(self.start(requests, keys, on_tokens))
+        b.merge(self._start(requests, keys, on_tokens, 0), rows=self.rows_hint)
 
     @torch.inference_mode()
     def step(self, b: Batch, on_tokens=None) -> list[tuple[Any, Result]]:
@@ -228,7 +237,8 @@ class ReferenceEngine:
         return done + self._collect(b)
 
     # -- the steps of generate ----------------------------------------------------------------
-    def _prefill(self, requests: list[Request], keys: list, on_tokens) -> Batch:
+    def _prefill(self, requests: list[Request], keys: list, on_tokens,
+                 room: tuple[int, int] = (0, 0)) -> Batch:
         """Target forward over the prompts (and the head's draft extend over them); emits each
         row's first token."""
 
@@ -243,7 +253,7 @@ class ReferenceEngine:
             ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids, device=dev)
         ar = torch.arange(L, device=dev)
         b.valid = ar[None] < lens[:, None]                    # [B, slots] target KV slots in use
-        b.cache = SlotCache()  # in-place slots (decode/slot_cache.py)
+        b.cache = SlotCache(*room)  # in-place slots (decode/slot_cache.py)
         hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
         b.pending, _ = b.pick(self.target.lm_head(last_h).float())        # [B]

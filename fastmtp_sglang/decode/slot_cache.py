@@ -23,6 +23,8 @@ Both change no number the engine computes; they remove copies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -36,10 +38,11 @@ class SlotLayer(DynamicLayer):
     joining later are written into (:meth:`append_rows`), and rows leaving are replaced by moving
     the last rows into their place (:meth:`move_rows`), so neither copies the rows that stay."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, rows: int = 0, slots: int = 0, **kwargs):
         self._k = self._v = None
         self._n = 0   # filled slots of every row
         self._b = 0   # rows of the batch (the buffers may hold more)
+        self._first = (rows, slots)  # the room the first write allocates, at least
         super().__init__(**kwargs)
 
     # the filled part; assigning replaces the buffers (a copy with SLACK free slots)
@@ -79,10 +82,12 @@ class SlotLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, s = self._n, key_states.shape[-2]
         if self._k is None:
-            self._k = _with_room(key_states[..., :0, :])
-            self._v = _with_room(value_states[..., :0, :])
+            rows, slots = self._first
+            b, h, _, d = key_states.shape
+            shape = (max(b, rows), h, max(s + SLACK, slots), d)
+            self._k, self._v = key_states.new_zeros(shape), value_states.new_zeros(shape)
             n = self._n = 0
-            self._b = key_states.shape[0]
+            self._b = b
         if key_states.shape[0] != self._b:
             raise ValueError(f"{key_states.shape[0]} rows written into a cache of {self._b}")
         self.reserve(self._b, n + s)
@@ -113,9 +118,15 @@ class SlotLayer(DynamicLayer):
             self._v[d, :, :n] = self._v[s, :, :n]
         self._b = rows
 
-    def prepare_append(self, other: "SlotLayer") -> None:
-        """Room for ``other``'s rows after this batch's (allocates; changes no filled slot)."""
-        self.reserve(self._b + other._b, max(self._n, other._n))
+    def prepare_append(self, other: "SlotLayer", rows: int = 0, slots: int = 0) -> None:
+        """Room for ``other``'s rows after this batch's (allocates; changes no filled slot).
+        Buffers that must grow grow to at least ``rows`` rows / ``slots`` slots (a hint: the
+        most rows the batch will hold), so a batch filling up copies itself once, not at
+        every doubling."""
+        R, S = self._k.shape[0], self._k.shape[-2]
+        need_r, need_s = self._b + other._b, max(self._n, other._n)
+        self.reserve(need_r if need_r <= R else max(need_r, rows),
+                     need_s if need_s <= S else max(need_s, slots))
 
     def append_rows(self, other: "SlotLayer") -> None:
         """Write ``other``'s rows after this batch's, padded to the wider of the two with zero
@@ -166,8 +177,10 @@ class SlotCache(DynamicCache):
     with the row operations of continuous batching done in place: rows leave
     (:meth:`move_rows`) and join (:meth:`append`) without copying the rows that stay."""
 
-    def __init__(self):
-        Cache.__init__(self, layer_class_to_replicate=SlotLayer)
+    def __init__(self, rows: int = 0, slots: int = 0):
+        """``rows`` / ``slots``: room every layer's first write allocates at least (a batch
+        that will grow to that size by merges copies nothing to get there)."""
+        Cache.__init__(self, layer_class_to_replicate=functools.partial(SlotLayer, rows, slots))
 
     def _slot_layers(self) -> list[SlotLayer]:
         if any(not isinstance(l, SlotLayer) or l._k is None for l in self.layers):
@@ -183,14 +196,15 @@ class SlotCache(DynamicCache):
         for layer in self._slot_layers():
             layer.move_rows(dst, src, rows)
 
-    def append(self, other: "SlotCache") -> None:
+    def append(self, other: "SlotCache", rows: int = 0, slots: int = 0) -> None:
         """Append ``other``'s rows (a freshly prefilled batch; ``other`` is not changed). All or
-        nothing: the buffers are grown first, then written where no row of this batch reads."""
+        nothing: the buffers are grown first (to at least ``rows`` rows and ``slots`` slots when
+        they must grow), then written where no row of this batch reads."""
         mine, theirs = self._slot_layers(), other._slot_layers()
         if len(mine) != len(theirs):
             raise ValueError(f"caches of {len(mine)} and {len(theirs)} layers")
         for a, b in zip(mine, theirs):
-            a.prepare_append(b)
+            a.prepare_append(b, rows, slots)
         for a, b in zip(mine, theirs):
             a.append_rows(b)
 

@@ -92,6 +92,8 @@ class EngineWorker:
             if not value >= low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         self.engine = engine
+        if hasattr(engine, "rows_hint"):  # a join that grows the batch's cache makes room for all
+            engine.rows_hint = max_batch
         self.tokenizer = getattr(engine.target, "tokenizer", None)
         self.model_path, self.draft_path = model_path, draft_path
         self.max_batch, self.batch_window_s = max_batch, batch_window_s
