@@ -19,7 +19,7 @@ from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 from fastmtp_sglang.training.init_head import _calibration_pairs, init_head, init_state_dict
 from fastmtp_sglang.core.target import load_target
 
-from conftest import HD, NH, NKV  # noqa: E402
+from conftest import HD  # noqa: E402
 
 
 def tensors_of(path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fastmtp_sglang.training import features as feat
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.training.features import FeatureStore, build_features, make_key, open_or_build
+from fastmtp_sglang.training.features import FeatureStore, build_features, make_key
 from fastmtp_sglang.core.target import load_target
 from fastmtp_sglang.training.checkpoints import load_trainer_state
 from fastmtp_sglang.training.data import load_examples

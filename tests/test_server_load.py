@@ -19,7 +19,6 @@ import http.client
 import json
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field

@@ -7,7 +7,6 @@ import importlib.util
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
