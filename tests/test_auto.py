@@ -349,3 +349,33 @@ def test_the_odd_slow_cycle_does_not_set_the_price():
     for _ in range(AutoK.CALIB_WINDOW):
         auto.observe_cycle(0, 16, 1.2 * FLAT.cycle_ms(0, 16))
     assert auto.calib[(0, 16)] == pytest.approx(1.2)
+
+
+def test_a_catch_up_is_priced_at_what_catch_ups_took():
+    """The curve's extends of 1..K+1 positions are nearly flat, so it prices a catch-up over 24
+    skipped positions like one over 4; once catch-ups are seen at a batch class, they are priced
+    per position at what they took, and a probe after a long K=0 run waits accordingly."""
+    b16 = StepCosts({1: 85.0, 2: 135.0, 4: 144.0}, 0.5, 4.0)   # 16 rows on the AMX Xeon
+    costs = StepCosts({1: 44.5, 2: 50.9, 4: 52.6}, 0.7, 2.0, by_batch={16: b16})
+    auto = AutoK(costs, 3, probe_every=4)
+    rows = [[0.3] * 3] * 16
+    flat = auto.cycle_ms(1, 16, deferred=24)
+    assert flat == pytest.approx(costs.cycle_ms(1, 16) + costs.extend_ms(24, 16))
+    due_before = next(z for z in range(4, 10_000) if auto.probe_due(rows, zero_run=z, deferred=z))
+    for z in (8, 16, 24):
+        auto.observe_catch_up(16, z, 1.0 * z)          # 1 ms a position at 16 rows
+    assert auto.catch_up_ms(24, 16) == pytest.approx(24.0)
+    assert auto.cycle_ms(1, 16, deferred=24) == pytest.approx(flat - costs.extend_ms(24, 16) + 24.0, rel=0.01)
+    assert auto.catch_up_ms(24, 1) == costs.extend_ms(24, 1)  # another batch class: the curve
+    due_after = next((z for z in range(4, 10_000) if auto.probe_due(rows, zero_run=z, deferred=z)), None)
+    assert due_after is None or due_after > 1.2 * due_before
+
+
+def test_the_engine_reports_its_catch_ups(llama):
+    t, head, _ = llama
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=True))
+    plan = iter([0] * 6 + [2] * 100)
+    eng._choose = lambda b: next(plan)
+    eng.generate([Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=12)),
+                  Request([3, 4], SamplingParams(max_new_tokens=12))])
+    assert list(eng.auto._catch_up) == [2] and len(eng.auto._catch_up[2]) == 1

@@ -260,3 +260,22 @@ def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
     eng._choose = lambda b: 3
     assert done == {i: _alone(ReferenceEngine(t, head, 3), r.input_ids, r.params.max_new_tokens)
                     for i, r in enumerate(reqs)}
+
+
+def test_deferred_extends_are_bounded_and_the_output_is_unchanged(live_world, monkeypatch):
+    """A batch that stays at K=0 keeps at most DEFER_MAX deferred extends (the oldest are
+    forgotten: the head drafts worse, the output is the target's)."""
+    t, head = live_world
+    monkeypatch.setattr(engine_mod, "DEFER_MAX", 3)
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
+    plan = iter([0] * 8 + [3] * 100)
+    eng._choose = lambda b: next(plan)
+    req = Request(list(PROMPTS[0]), SamplingParams(max_new_tokens=20))
+    b = eng.start([req], [0])
+    for _ in range(8):
+        eng.step(b)
+        assert len(b.deferred) <= 3
+    done = {}
+    while len(b):
+        done.update((k, r.output_ids) for k, r in eng.step(b))
+    assert done[0] == _alone(ReferenceEngine(t, head, 3), PROMPTS[0], 20)

@@ -64,6 +64,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# K=0 cycles whose head extend auto defers at most: a batch that stays at K=0 (under load, where
+# catching up costs more than probing may) would otherwise keep every cycle's hidden states
+DEFER_MAX = 128
 PREFILL_CALL_TOKENS = 128  # a forward's fixed cost, in prompt tokens (a plain step ~ 128-token prefill share)
 
 
@@ -413,6 +416,8 @@ class ReferenceEngine:
             ext_ids.scatter_(1, acc[:, None], bonus[:, None])
             if self.auto is not None and drafts.shape[1] == 0:
                 b.deferred.append((vh, ext_ids, vpos))  # no drafts this cycle: extend later
+                if len(b.deferred) > DEFER_MAX:  # a batch at K=0 for long: forget the oldest
+                    del b.deferred[0]            # (the head never sees them: drafts, not output)
             else:
                 off = 0
                 if b.deferred:  # a cycle drafted without the head (hybrid) after K=0 cycles
@@ -426,10 +431,14 @@ class ReferenceEngine:
     def _catch_up(self, b: Batch) -> None:
         """The draft extend of the cycles that ran at K=0 (auto), in one head forward: each
         verified one position and accepted nothing, so the last column is every row's end."""
+        t, z = time.perf_counter(), len(b.deferred)
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
         ge, _ = self.head(vh, ids, pos, b.dcache, return_logits=False)
         b.g = ge[:, -1]
         b.deferred = []
+        if self.auto is not None:  # what a catch-up over z positions costs here, for its price
+            _sync(self.device)
+            self.auto.observe_catch_up(len(b), z, 1e3 * (time.perf_counter() - t))
 
     def _advance(self, b: Batch, acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
                  drafted: list[int], t_draft: float, t_verify: float, on_tokens) -> None:
