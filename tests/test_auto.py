@@ -362,10 +362,13 @@ def test_a_catch_up_is_priced_at_what_catch_ups_took():
     flat = auto.cycle_ms(1, 16, deferred=24)
     assert flat == pytest.approx(costs.cycle_ms(1, 16) + costs.extend_ms(24, 16))
     due_before = next(z for z in range(4, 10_000) if auto.probe_due(rows, zero_run=z, deferred=z))
+    base = costs.extend_ms(1, 16)
     for z in (8, 16, 24):
-        auto.observe_catch_up(16, z, 1.0 * z)          # 1 ms a position at 16 rows
-    assert auto.catch_up_ms(24, 16) == pytest.approx(24.0)
-    assert auto.cycle_ms(1, 16, deferred=24) == pytest.approx(flat - costs.extend_ms(24, 16) + 24.0, rel=0.01)
+        auto.observe_catch_up(16, z, base + 1.0 * (z - 1))  # 1 ms a position beyond the first
+    assert auto.catch_up_ms(24, 16) == pytest.approx(base + 23.0)
+    assert auto.cycle_ms(1, 16, deferred=24) == pytest.approx(flat - costs.extend_ms(24, 16) + base + 23.0, rel=0.01)
+    auto.observe_catch_up(2, 1, 50.0)                    # one position says nothing of the slope
+    assert auto.catch_up_ms(24, 2) == costs.extend_ms(24, 2)
     assert auto.catch_up_ms(24, 1) == costs.extend_ms(24, 1)  # another batch class: the curve
     due_after = next((z for z in range(4, 10_000) if auto.probe_due(rows, zero_run=z, deferred=z)), None)
     assert due_after is None or due_after > 1.2 * due_before
@@ -378,4 +381,4 @@ def test_the_engine_reports_its_catch_ups(llama):
     eng._choose = lambda b: next(plan)
     eng.generate([Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=12)),
                   Request([3, 4], SamplingParams(max_new_tokens=12))])
-    assert list(eng.auto._catch_up) == [2] and len(eng.auto._catch_up[2]) == 1
+    assert list(eng.auto._catch_up) == [2] and len(eng.auto._catch_up[2]) == 1  # (6 positions)

@@ -234,20 +234,23 @@ class AutoK:
         return ms
 
     def catch_up_ms(self, deferred: int, batch: int) -> float:
-        """The head's catch-up over ``deferred`` K=0 positions of ``batch`` rows: the median
-        ms per position of the catch-ups seen at this batch class (``observe_catch_up``),
-        or the curve's extend before the first. The curve times extends of 1..K+1 positions,
-        nearly flat (3.2-3.4 ms at 16 rows), and priced a catch-up over 24 positions at 3.6 ms
-        where it took ~25 ms, so probes after long K=0 runs looked 5-7x cheaper than they were."""
+        """The head's catch-up over ``deferred`` K=0 positions of ``batch`` rows: the curve's
+        extend of one position plus, per further position, the median of what the catch-ups
+        seen at this batch class took beyond it (``observe_catch_up``; the curve alone before
+        the first). The curve times extends of 1..K+1 positions, nearly flat (3.2-3.4 ms at 16
+        rows), and priced a catch-up over 24 positions at 3.6 ms where it took ~25 ms, so probes
+        after long K=0 runs looked 5-7x cheaper than they were."""
+        base = self.costs.extend_ms(1, batch)
         per = self._catch_up.get(batch_class(batch))
-        if per:
-            return statistics.median(per) * deferred
+        if per and deferred > 1:
+            return base + statistics.median(per) * (deferred - 1)
         return self.costs.extend_ms(deferred, batch)
 
     def observe_catch_up(self, batch: int, deferred: int, ms: float) -> None:
         """A catch-up over ``deferred`` positions of ``batch`` rows took ``ms``."""
-        if deferred > 0 and ms > 0 and self.calibrate:
-            self._catch_up.setdefault(batch_class(batch), deque(maxlen=self.CALIB_WINDOW)).append(ms / deferred)
+        if deferred > 1 and ms > 0 and self.calibrate:
+            extra = max(ms - self.costs.extend_ms(1, batch), 0.0) / (deferred - 1)
+            self._catch_up.setdefault(batch_class(batch), deque(maxlen=self.CALIB_WINDOW)).append(extra)
 
     def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True,
                       deferred: int = 0) -> None:
