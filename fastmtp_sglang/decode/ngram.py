@@ -52,8 +52,9 @@ class NgramIndex:
     """:meth:`NgramDrafter.propose_match` over one growing sequence (a request's prompt and its
     output so far) in O(max_ngram) dictionary lookups per call: the earliest start of every
     n-gram that has a token after it is kept, and :meth:`sync` adds only the new tokens' n-grams.
-    The scan costs a Python loop over the whole sequence per call, ~0.5 ms a row at 800 tokens:
-    at 16 rows, every cycle of the hybrid drafter paid that before it could choose K=0."""
+    The scan is a Python loop over the whole sequence per call (0.06 ms a row at 800 random
+    tokens, ~1 ms a cycle at 16 rows, paid before the hybrid drafter could choose K=0); a
+    lookup here takes ~0.001 ms."""
 
     def __init__(self, drafter: NgramDrafter):
         self.drafter = drafter

@@ -68,10 +68,6 @@ class SlotLayer(DynamicLayer):
         if x is not None:
             self._b, self._n = x.shape[0], x.shape[-2]
 
-    @property
-    def rows_capacity(self) -> int:
-        return 0 if self._k is None else self._k.shape[0]
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
