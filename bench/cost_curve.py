@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="rows per forward, each with its own "
                    "--context cache (default 1; continuous batching serves 4-16)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per shape (median; default 15)")
-    p.add_argument("--stock", action="store_true", help="also time the engine without fused "
-                   "projections (' unfused') and with transformers' own DynamicCache, sdpa attention and "
-                   "F.linear (' stock': the engine before decode/slot_cache.py and core/packed_linear.py)")
+    p.add_argument("--stock", action="store_true", help="also time the engine's target through "
+                   "transformers' forward (' transformers forward': without decode/lean_forward.py), then "
+                   "without fused projections (' unfused') and with transformers' own DynamicCache, sdpa "
+                   "attention and F.linear (' stock': the engine before decode/slot_cache.py and "
+                   "core/packed_linear.py)")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     if args.target is None:
@@ -81,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft != "none":
             head = load_head(args.draft, target.embed, target.lm_head, dtype=target.model.dtype)
             vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", args.draft)
-        variants = [("", False, True)]
-        if args.stock:  # lean, unfused, stock, lean again: drift shows as lean != again
-            variants += [(" unfused", False, False), (" stock", True, True), (" again", False, True)]
-        for suffix, stock, fuse in variants:
+        variants = [("", False, True, True)]
+        if args.stock:  # engine, its parts undone one by one, engine again: drift shows as engine != again
+            variants += [(" transformers forward", False, True, False), (" unfused", False, False, False),
+                         (" stock", True, True, False), (" again", False, True, True)]
+        for suffix, stock, fuse, lean in variants:
             curve = measure(target, head, vocab, ns=ns, context=args.context, repeats=args.repeats,
-                            batch=args.batch, stock=stock, fuse=fuse)
+                            batch=args.batch, stock=stock, fuse=fuse, lean=lean)
             curves[dtype + suffix] = curve.to_json()
             tables[dtype + suffix] = markdown(curve)
             print(f"{dtype}{suffix}\n{tables[dtype + suffix]}")

@@ -22,6 +22,7 @@ import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
+from fastmtp_sglang.decode.lean_forward import LeanForward, unsupported
 
 
 def cpu_description() -> dict[str, Any]:
@@ -73,6 +74,7 @@ class CostCurve:
     extend_ms: dict[int, float] = field(default_factory=dict)   # head over n target positions
     spread: dict[str, float] = field(default_factory=dict)      # (max - min) / median per shape
     batch: int = 1                              # rows per call
+    lean_forward: bool = False                  # the target ran through decode/lean_forward.py
     packed_linear: bool = False                 # linear layers on prepared oneDNN weights
 
     @property
@@ -111,7 +113,7 @@ def interleaved_ms(calls: dict[str, Any], repeats: int, warmup: int = 3) -> dict
 @torch.inference_mode()
 def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
             context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512,
-            batch: int = 1, stock: bool = False, fuse: bool = True) -> CostCurve:
+            batch: int = 1, stock: bool = False, fuse: bool = True, lean: bool = True) -> CostCurve:
     """Time the calls of one speculative cycle at batch ``batch`` (see the module docstring).
 
     ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
@@ -122,7 +124,9 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     ``stock``: time transformers' own DynamicCache, sdpa attention and linear layers instead of
     the engine's in-place slots, GQA attention (decode/slot_cache.py) and prepared bf16 weights
     (core/packed_linear.py), for a side-by-side comparison; ``fuse`` False: prepared weights
-    without the fused q/k/v and gate/up products."""
+    without the fused q/k/v and gate/up products; ``lean`` False: the target's forward through
+    transformers' model instead of the engine's lean forward (decode/lean_forward.py; ``stock``
+    implies it)."""
     from transformers import DynamicCache
 
     from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa
@@ -144,8 +148,11 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
                     unpack_linears(m)
         pack_for_inference(model, head, fuse=fuse)
     try:
+        fwd = None
+        if lean and not stock and unsupported(model) is None:
+            fwd = LeanForward(model)
         return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
-                        batch, DynamicCache() if stock else SlotCache())
+                        batch, DynamicCache() if stock else SlotCache(), fwd)
     finally:
         if model.config._attn_implementation != prev_attn:
             model.set_attn_implementation(prev_attn)
@@ -157,7 +164,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
 
 
 def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib, batch,
-             cache) -> CostCurve:
+             cache, fwd=None) -> CostCurve:
     model, dev = target.model, next(target.model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = int(target.lm_head.weight.shape[0])
@@ -173,8 +180,11 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
     def verify(n: int):
         pos = torch.arange(context, context + n, device=dev)[None].expand(B, -1)
         mask = torch.ones(B, context + n, dtype=torch.long, device=dev)
-        h = model.model(input_ids=ids[:, context:context + n], position_ids=pos, attention_mask=mask,
-                        past_key_values=cache, use_cache=True).last_hidden_state
+        if fwd is not None:  # the engine's own forward (decode/lean_forward.py)
+            h = fwd(ids[:, context:context + n], pos, mask, cache)[0]
+        else:
+            h = model.model(input_ids=ids[:, context:context + n], position_ids=pos, attention_mask=mask,
+                            past_key_values=cache, use_cache=True).last_hidden_state
         target.lm_head(h).float().argmax(-1)
         cache.crop(-n)
 
@@ -210,7 +220,8 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
     curve = CostCurve(cpu=cpu_description(), dtype=str(dtype).replace("torch.", ""), context=context,
                       bandwidth_gbs=bw / 1e9, target_weight_mb=tbytes / 1e6,
                       verify_ms={n: med[f"verify{n}"] for n in ns}, verify_floor_ms=tbytes / bw * 1e3,
-                      spread=spread, batch=B, packed_linear=is_packed(model))
+                      spread=spread, batch=B, packed_linear=is_packed(model),
+                      lean_forward=fwd is not None)
     if head is not None:
         rows = (draft_vocab.table_weight[0].numel() * draft_vocab.table_weight.element_size()
                 if draft_vocab is not None else target.lm_head.weight.numel() * target.lm_head.weight.element_size())
@@ -224,7 +235,7 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 def markdown(curve: CostCurve) -> str:
     c = curve
     lines = [f"CPU: {c.cpu['model']} ({', '.join(c.cpu['flags']) or 'no avx2'}), {c.cpu['threads']} threads; "
-             f"{c.dtype}{', packed linear layers' if c.packed_linear else ''}; {c.context}-token cache; "
+             f"{c.dtype}{', packed linear layers' if c.packed_linear else ''}{', lean forward' if c.lean_forward else ''}; {c.context}-token cache; "
              f"read bandwidth {c.bandwidth_gbs:.1f} GB/s",
              "", "| call | ms | x plain step | memory floor ms | x floor |", "|---|---|---|---|---|"]
     for n, ms in c.verify_ms.items():

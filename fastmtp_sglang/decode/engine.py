@@ -33,6 +33,7 @@ import torch
 from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import Batch, Row
+from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.ngram import NgramIndex
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
@@ -112,11 +113,13 @@ class ReferenceEngine:
         (prompt lookup's estimates are kept per length of the suffix it matched)
     packed : "auto" (default; bf16 on a CPU with native bf16), "on" or "off": run the target's
         and the head's linear layers on prepared oneDNN weights; None reads FASTMTP_PACKED_LINEAR
+    lean : "auto" (default: where the model is covered) or "off": the target's forward through
+        decode/lean_forward.py (same numbers, fewer calls); None reads FASTMTP_LEAN_FORWARD
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
                  draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
-                 packed: str | None = None):
+                 packed: str | None = None, lean: str | None = None):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
@@ -136,6 +139,8 @@ class ReferenceEngine:
         # bf16 projections on weights oneDNN laid out once (same numbers; core/packed_linear.py)
         # (the target is shared: an engine made earlier on it may have packed it already)
         self.packed = pack_for_inference(self.model, head, packed) or is_packed(self.model)
+        # the target's forward in fewer calls, same numbers (decode/lean_forward.py), or None
+        self.lean = lean_forward_for(self.model, lean)
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
@@ -164,6 +169,9 @@ class ReferenceEngine:
         """ids, pos [B, S]; mask [B, slots + S] -> (post-norm hidden [B, S, H], the head's input
         from the target: the same tensor, or [B, S, (n+1) H] for a head with n aux layers)."""
         aux = self.head.cfg.aux_hidden_states if self.head is not None else ()
+        if self.lean is not None:
+            last, hs = self.lean(ids, pos, mask, cache, keep=tuple(aux))
+            return last, (torch.cat([hs[i] for i in aux] + [last], dim=-1) if aux else last)
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                past_key_values=cache, use_cache=True, output_hidden_states=bool(aux))
         return out.last_hidden_state, head_input(out, aux)

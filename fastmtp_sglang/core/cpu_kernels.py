@@ -1,0 +1,213 @@
+"""bf16 linear layers at the few rows of a decode step on AMX tiles (``cpu_kernels.c``).
+
+A plain step multiplies one row by every weight of the model; a verify, K+1 rows; a batch of B
+requests, B (K+1) rows. Through oneDNN's kernels on prepared weights (core/packed_linear.py) the
+demo target's 120 projections of a step stream their 212 MB at ~13 GB/s on the AMX Xeon, where
+a plain read of memory reaches ~23 GB/s, at every row count from 1 to 16 (each product is a
+short call with its own fixed cost). ``cpu_kernels.c`` multiplies each 1 KB tile of a weight
+against all rows before it reads the next, in one call with little around it: the same 120
+products in 11.5-12 ms at 1-16 rows (18 GB/s), 15 ms at 32, level with oneDNN from 128 rows
+(``python bench/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
+
+- :func:`available`: the kernel is built with the system's C compiler on first use
+  (``gcc -O3 -fopenmp``, under a second) and cached under ``<cache>/kernels/`` by the hash of the
+  source and the compiler (``<cache>``: ``$FASTMTP_CACHE`` or ``~/.cache/fastmtp``); False, with
+  :func:`unavailable_reason`, on a CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel
+  cannot be built or the OS refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``.
+- :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
+
+The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
+of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of
+the call (tests/test_cpu_kernels.py: float64 reference over odd shapes, row independence).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastmtp_sglang.core.hardware import cpu_flags
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ENV = "FASTMTP_CPU_KERNELS"     # "auto" (default) or "off"
+NEEDS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+TILE_K = 32                      # inputs per tile
+BLOCK_N = 16                     # output columns per tile
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cache_dir() -> Path:
+    from fastmtp_sglang.core.demo_target import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    tag = hashlib.sha256(src + ver.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{tag}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:  # written beside, renamed into place: another process never loads half a library
+        cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", str(SOURCE), "-o", tmp, "-lm"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get(ENV, "auto") == "off":
+        return None, f"{ENV}=off"
+    missing = [f for f in NEEDS if f not in cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None, "no C compiler (gcc) on PATH"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"building the kernel failed: {e}"
+    lib.fastmtp_linear_bf16_amx.restype = None
+    lib.fastmtp_linear_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    P, I = ctypes.c_void_p, ctypes.c_int
+    for name, args in (("fastmtp_add_rms_bf16", [P, P, P, P, I, I, ctypes.c_float]),
+                       ("fastmtp_rope_bf16", [P, P, P, I, I, I, I]),
+                       ("fastmtp_silu_mul_bf16", [P, P, I, I])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, args
+    lib.fastmtp_amx_init.restype = ctypes.c_int
+    if lib.fastmtp_amx_init() != 0:
+        return None, "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (then :func:`unavailable_reason` says why). Built once per
+    source and compiler, loaded once per process."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _load()
+        return _state["lib"]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state.get("why")
+
+
+@dataclass
+class Packed:
+    """A bf16 weight [n, k] in tiles ([N/16][K/2][16][2], zero-padded: N to 16, K to 32)."""
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+
+def pack(w: torch.Tensor) -> Packed:
+    """Lay a bf16 weight ``w`` [N, K] out in tiles for :func:`linear`."""
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"pack takes a 2-D bf16 weight, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    nb, kp = -(-N // BLOCK_N), -(-K // TILE_K) * TILE_K // 2
+    with torch.no_grad():
+        pad = w.new_zeros(nb * BLOCK_N, kp * 2, device="cpu")
+        pad[:N, :K] = w.detach()
+        data = pad.view(nb, BLOCK_N, kp, 2).permute(0, 2, 1, 3).contiguous()
+    return Packed(data, N, K)
+
+
+def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a bf16 ``x`` [..., K] on the CPU (``bias`` [N], any float dtype)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"cpu_kernels is unavailable: {unavailable_reason()}")
+    if x.dtype != torch.bfloat16 or x.shape[-1] != p.k or x.device.type != "cpu":
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} {x.device} does not fit a packed bf16 "
+                         f"weight of {p.k} inputs on the CPU")
+    shape = x.shape
+    x2 = x.reshape(-1, p.k)
+    M, K = x2.shape[0], p.k
+    y = torch.empty(M, p.n, dtype=torch.bfloat16)
+    if M:
+        if K % TILE_K:  # tiles read whole 32-input pieces: pad the rows with zeros
+            K = -(-K // TILE_K) * TILE_K
+            x2 = torch.nn.functional.pad(x2, (0, K - p.k))
+        elif not x2.is_contiguous():
+            x2 = x2.contiguous()
+        b = None
+        if bias is not None:
+            b = bias.detach()
+            if b.dtype != torch.float32 or not b.is_contiguous():
+                b = b.float().contiguous()
+        lib.fastmtp_linear_bf16_amx(x2.data_ptr(), p.data.data_ptr(),
+                                    b.data_ptr() if b is not None else None, y.data_ptr(),
+                                    M, p.n, K, torch.get_num_threads())
+    return y.reshape(*shape[:-1], p.n)
+
+
+# -- the elementwise steps of a bf16 decoder layer (one call each; transformers' roundings) ----
+
+def _rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous bf16 CPU tensor, got {t.dtype} {t.device}")
+
+
+def add_rms_(x: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out: torch.Tensor) -> torch.Tensor:
+    """``x += d`` in place (when ``d``), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))``
+    (Llama's residual add and RMSNorm). x, d, out [N, H]; returns ``out``."""
+    for t, n in ((x, "x"), (out, "out"), (weight, "weight")) + (((d, "d"),) if d is not None else ()):
+        _rows(t, n)
+    N, H = x.shape
+    library().fastmtp_add_rms_bf16(x.data_ptr(), d.data_ptr() if d is not None else None,
+                                   weight.data_ptr(), out.data_ptr(), N, H, float(eps))
+    return out
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embedding of the first ``heads`` heads of every row of ``qkv`` [N, W], in place;
+    ``cos``, ``sin`` [N, head_dim]."""
+    for t, n in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
+        _rows(t, n)
+    if head_dim > 512 or heads * head_dim > qkv.shape[1]:
+        raise ValueError(f"{heads} heads of {head_dim} do not fit rows of {qkv.shape[1]}")
+    library().fastmtp_rope_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                                heads, head_dim, qkv.shape[1])
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``bf16(silu(g)) * u`` for ``gu`` = [g | u] [N, 2I] -> [N, I]."""
+    _rows(gu, "gu")
+    N, I2 = gu.shape
+    out = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
+    library().fastmtp_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), N, I2 // 2)
+    return out

@@ -1,0 +1,214 @@
+"""The target's forward in the reference engine, with the same numbers and fewer calls.
+
+A plain step of the demo target (SmolLM2-135M, 30 layers) through transformers' ``LlamaModel``
+makes ~1,500 PyTorch calls: the mask builder, the cache and attention interfaces, eight calls
+per RMSNorm, fourteen for the rotary embedding of q and k, a Python wrapper around each
+projection. At 3-5 us of dispatch each on the 2-core CPUs this project runs on, that is 10-14 ms
+of a 35-43 ms step, beside ~16 ms of matrix products (section 6.9 of docs/design.md).
+
+:class:`LeanForward` runs the same decoder layers on the same weights and the engine's
+:class:`~fastmtp_sglang.decode.slot_cache.SlotCache`, with each step expressed in fewer calls
+that compute bit-identical values (tests/test_lean_forward.py compares hidden states, caches
+and the engine's tokens with transformers', fp32 and bf16, Llama and Qwen2, with and without
+padding holes):
+
+- the attention mask built once per forward from the engine's 2-D slot mask (transformers'
+  causal + padding rule, kept as a bool mask; None for one new token and no holes);
+- rotary embedding applied to q and k in one tensor (their columns are adjacent in q/k/v);
+- q/k/v and gate/up as one product each on the prepared bf16 weights of core/packed_linear.py
+  where the engine packs the model (bit-identical to three / two products up to
+  ``FUSED_MAX_ROWS`` rows); separate ``F.linear`` calls otherwise (fp32: MKL may pick another
+  kernel for a wider matrix).
+
+It covers Llama-style dense decoders (``llama``, ``qwen2``, ``mistral`` without a sliding
+window): :func:`unsupported` says why another model is left to transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+ENV = "FASTMTP_LEAN_FORWARD"  # "auto" (default) or "off"
+
+
+def lean_forward_for(model, mode: str | None = None) -> "LeanForward | None":
+    """The engine's choice: a :class:`LeanForward` for ``model`` where it is covered and
+    ``mode`` (None: ``$FASTMTP_LEAN_FORWARD``, default "auto") is not "off"; "on" insists."""
+    mode = mode if mode is not None else os.environ.get(ENV, "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"lean forward mode must be auto, on or off, not {mode!r}")
+    if mode == "off":
+        return None
+    if mode == "auto" and unsupported(model) is not None:
+        return None
+    return LeanForward(model)
+
+
+def unsupported(model) -> str | None:
+    """Why :class:`LeanForward` cannot run ``model`` (a transformers causal LM), or None."""
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in MODEL_TYPES:
+        return f"model type {mt!r} (lean forward covers {', '.join(MODEL_TYPES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mt == "mistral"):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp bias"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no decoder stack (model.model.layers, rotary_emb)"
+    for layer in inner.layers:
+        a = getattr(layer, "self_attn", None)
+        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention without q/k/v/o projections"
+        if hasattr(a, "q_norm") or hasattr(a, "k_norm"):
+            return "q/k norms"
+    if next(model.parameters()).device.type != "cpu":
+        return "not on the CPU"
+    return None
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm (fp32 statistics, weight applied in the input's dtype). Written out:
+    torch's fused ``rms_norm`` gives the same values but took 2x longer on CPU (torch 2.14)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+class _Proj:
+    """Products of one input with one or more ``nn.Linear`` members, concatenated. Where the
+    engine packed the layers (core/packed_linear.py): one call on the fused group's prepared
+    weight (the copy the layers' own forwards use), or one per member on theirs; one
+    ``F.linear`` per member otherwise."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        self.members = members
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ms = self.members
+        if runs_packed(ms[0], x):
+            group = fused_group(ms) if len(ms) > 1 and x.shape[0] <= FUSED_MAX_ROWS else None
+            if group is not None:
+                return _apply(x, *group.weight())
+            outs = [_apply(x, packed_weight(m), m.bias) for m in ms]
+        else:
+            outs = [F.linear(x, m.weight, m.bias) for m in ms]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+class LeanForward:
+    """``model.model``'s forward over the engine's slot cache in fewer calls (module docstring).
+
+    Call as ``lean(ids, pos, mask, cache, keep=())`` -> (post-norm hidden [B, S, H], hidden
+    states or None): ``mask`` [B, slots + S] 0/1 as the engine passes transformers; ``keep`` the
+    indices of transformers' ``hidden_states`` tuple wanted (0 = embeddings, i = after layer i,
+    the last = the final norm's output), returned as a dict."""
+
+    def __init__(self, model):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the lean forward does not cover this model: {why}")
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = []
+        for layer in self.inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm, _Proj([a.q_proj, a.k_proj, a.v_proj]),
+                                _Proj([a.o_proj]), layer.post_attention_layernorm,
+                                _Proj([mlp.gate_proj, mlp.up_proj]), _Proj([mlp.down_proj]),
+                                float(a.scaling)))
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
+                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict | None]:
+        B, S = ids.shape
+        N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, pos)
+        cos, sin = cos.reshape(N, 1, D), sin.reshape(N, 1, D)
+        x = x.reshape(N, -1)
+        T = mask.shape[1]
+        if S == 1 and bool(mask.all()):
+            amask = None
+        else:  # key j is seen by new token i when it is filled and no later than i's own slot
+            kv = torch.arange(T, device=ids.device)
+            qi = torch.arange(T - S, T, device=ids.device)
+            amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
+        L = len(self.layers)
+        if x.dtype == torch.bfloat16 and cpu_kernels.available() and runs_packed(self.layers[0][2].members[0], x):
+            return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
+                                      cache, B, S, keep)
+        hs = ({0: x.view(B, S, -1)} if 0 in keep else {}) if keep else None
+        qk = (nh + nkv) * D
+        for i, (ln1, qkv, o_proj, ln2, gate_up, down, scale) in enumerate(self.layers):
+            h = qkv(_rms(ln1, x))
+            q_k = _rotate(h[:, :qk].view(N, nh + nkv, D), cos, sin)
+            q = q_k[:, :nh].view(B, S, nh, D).transpose(1, 2)
+            k = q_k[:, nh:].view(B, S, nkv, D).transpose(1, 2)
+            v = h[:, qk:].view(B, S, nkv, D).transpose(1, 2)
+            k, v = cache.update(k, v, i)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=amask, scale=scale,
+                                               is_causal=bool(S > 1 and amask is None),
+                                               enable_gqa=nkv != nh)
+            x = x + o_proj(a.transpose(1, 2).reshape(N, nh * D))
+            g = gate_up(_rms(ln2, x))
+            half = g.shape[-1] // 2
+            x = x + down(F.silu(g[:, :half]) * g[:, half:])
+            if hs is not None and i + 1 in keep and i + 1 < L:
+                hs[i + 1] = x.view(B, S, -1)
+        out = _rms(self.inner.norm, x).view(B, S, -1)
+        if hs is not None and L in keep:
+            hs[L] = out
+        return out, hs
+
+    def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep):
+        """The same layers with each elementwise step one call of core/cpu_kernels.py (bf16,
+        AMX CPUs): the residual add fused into the next RMSNorm, rotary embedding in place on
+        the q/k/v product, silu(gate) * up in one pass."""
+        N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
+        L, qk = len(self.layers), (nh + nkv) * D
+        hs = ({0: x.view(B, S, -1).clone()} if 0 in keep else {}) if keep else None
+        h = torch.empty_like(x)
+        ln1 = self.layers[0][0]
+        cpu_kernels.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
+        for i, (_, qkv, o_proj, ln2, gate_up, down, scale) in enumerate(self.layers):
+            p = qkv(h)
+            cpu_kernels.rope_(p, cos, sin, nh + nkv, D)
+            q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
+            k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
+            v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
+            k, v = cache.update(k, v, i)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=amask, scale=scale,
+                                               is_causal=bool(S > 1 and amask is None),
+                                               enable_gqa=nkv != nh)
+            o = o_proj(a.transpose(1, 2).reshape(N, nh * D))
+            cpu_kernels.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
+            d = down(cpu_kernels.silu_mul(gate_up(h)))
+            nxt = self.layers[i + 1][0] if i + 1 < L else self.inner.norm
+            cpu_kernels.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
+            if hs is not None and i + 1 in keep and i + 1 < L:
+                hs[i + 1] = x.view(B, S, -1).clone()
+        out = h.view(B, S, -1)
+        if hs is not None and L in keep:
+            hs[L] = out
+        return out, hs

@@ -1,0 +1,143 @@
+"""The engine's bf16 CPU kernels (core/cpu_kernels.py): the AMX small-rows linear against a
+float64 reference over odd shapes, with a bound from bf16's rounding and fp32 accumulation; a
+row's result independent of the other rows and of the thread count; the fused elementwise steps
+against PyTorch's own ops; and the build: cached, atomic, refused cleanly. Skipped (with the
+reason) on CPUs without AMX."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastmtp_sglang.core import cpu_kernels as ck
+
+needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"cpu kernels: {ck.unavailable_reason()}")
+bf = torch.bfloat16
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 step of the result, plus fp32 accumulation over K terms of |x| |w|."""
+    K = x.shape[-1]
+    return ref.abs() * 2.0 ** -8 + K * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,K", [(1, 32), (5, 7), (16, 64), (17, 33), (40, 100), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 40])
+def test_linear_matches_float64_within_rounding(N, K, M):
+    g = torch.Generator().manual_seed(N * 1000 + K * 10 + M)
+    w = torch.randn(N, K, generator=g).to(bf)
+    b = torch.randn(N, generator=g).to(bf)
+    x = torch.randn(M, K, generator=g).to(bf)
+    p = ck.pack(w)
+    for bias in (None, b):
+        y = ck.linear(x, p, bias)
+        assert y.shape == (M, N) and y.dtype == bf
+        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        err = (y.double() - ref).abs()
+        assert bool((err <= _bound(x, w, ref)).all()), float((err / _bound(x, w, ref)).max())
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 96, generator=g).to(bf)
+    x = torch.randn(37, 96, generator=g).to(bf)
+    p = ck.pack(w)
+    full = ck.linear(x, p)
+    for m in (0, 15, 16, 36):
+        assert torch.equal(ck.linear(x[m:m + 1], p), full[m:m + 1])
+    assert torch.equal(ck.linear(x[3:20], p), full[3:20])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ck.linear(x, p), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_inputs_of_any_layout_and_leading_shape():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 64, generator=g).to(bf)
+    p = ck.pack(w)
+    x = torch.randn(2, 3, 128, generator=g).to(bf)[..., ::2]   # not contiguous
+    y = ck.linear(x, p)
+    assert y.shape == (2, 3, 48)
+    assert torch.equal(y, ck.linear(x.contiguous(), p))
+    assert ck.linear(torch.empty(0, 64, dtype=bf), p).shape == (0, 48)
+
+
+@needs_kernels
+def test_bad_input_is_refused_with_the_reason():
+    p = ck.pack(torch.randn(8, 32).to(bf))
+    with pytest.raises(ValueError, match="32 inputs"):
+        ck.linear(torch.randn(2, 31).to(bf), p)
+    with pytest.raises(ValueError, match="bf16"):
+        ck.linear(torch.randn(2, 32), p)
+    with pytest.raises(ValueError, match="2-D bf16"):
+        ck.pack(torch.randn(8, 32))
+
+
+@needs_kernels
+def test_add_rms_equals_llamas_residual_add_and_rmsnorm():
+    g = torch.Generator().manual_seed(3)
+    for N, H in ((1, 576), (7, 64), (33, 100)):
+        x = (torch.randn(N, H, generator=g) * 3).to(bf)
+        d = torch.randn(N, H, generator=g).to(bf)
+        w = torch.randn(H, generator=g).to(bf)
+        for delta in (None, d):
+            r = x + delta if delta is not None else x
+            hf = r.float()
+            ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(bf)
+            xx, out = x.clone(), torch.empty_like(x)
+            ck.add_rms_(xx, delta, w, 1e-5, out)
+            assert torch.equal(xx, r)
+            # fp32 statistics summed in another order: at most one bf16 step apart, rarely
+            diff = (out.float() - ref.float()).abs()
+            assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-6).all())
+            assert (out == ref).float().mean() > 0.99
+
+
+@needs_kernels
+def test_rope_and_silu_mul_equal_pytorchs_ops():
+    g = torch.Generator().manual_seed(4)
+    N, D, nh, nkv = 5, 64, 9, 3
+    qkv = torch.randn(N, (nh + 2 * nkv) * D, generator=g).to(bf)
+    cos, sin = torch.randn(N, D, generator=g).to(bf), torch.randn(N, D, generator=g).to(bf)
+    qk = qkv[:, : (nh + nkv) * D].view(N, nh + nkv, D)
+    rot = torch.cat((-qk[..., D // 2:], qk[..., : D // 2]), -1)
+    ref = qk * cos[:, None] + rot * sin[:, None]
+    got = qkv.clone()
+    ck.rope_(got, cos, sin, nh + nkv, D)
+    assert torch.equal(got[:, : (nh + nkv) * D].view(N, nh + nkv, D), ref)
+    assert torch.equal(got[:, (nh + nkv) * D:], qkv[:, (nh + nkv) * D:])   # v untouched
+    gu = (torch.randn(N, 2 * 80, generator=g) * 4).to(bf)
+    ref = F.silu(gu[:, :80]) * gu[:, 80:]
+    out = ck.silu_mul(gu)
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-6).all()) and (out == ref).float().mean() > 0.99
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        ck.silu_mul(gu.float())
+
+
+def test_build_is_cached_refused_cleanly_and_never_half_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTMTP_CACHE", str(tmp_path))
+    monkeypatch.setenv(ck.ENV, "off")
+    assert ck._load() == (None, f"{ck.ENV}=off")
+    monkeypatch.setenv(ck.ENV, "auto")
+    if not all(f in ck.cpu_flags() for f in ck.NEEDS):
+        lib, why = ck._load()
+        assert lib is None and why.startswith("the CPU lacks")
+        return
+    monkeypatch.setenv("CC", "/bin/false")   # a compiler that fails
+    lib, why = ck._load()
+    assert lib is None and why.startswith("building the kernel failed")
+    assert not list((tmp_path / "kernels").glob("*")), "a failed build left a file behind"
+    monkeypatch.delenv("CC")
+    if ck.available():
+        first = ck._build(os.environ.get("CC") or "gcc")
+        assert first.exists() and ck._build("gcc") == first   # second call: the cached file
