@@ -105,6 +105,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (then :func:`unavailable_reason` says why). Built once per
     source and compiler, loaded once per process."""
+    if "lib" in _state:
+        return _state["lib"]
     with _lock:
         if "lib" not in _state:
             _state["lib"], _state["why"] = _load()
@@ -143,6 +145,17 @@ def pack(w: torch.Tensor) -> Packed:
         pad[:N, :K] = w.detach()
         data = pad.view(nb, BLOCK_N, kp, 2).permute(0, 2, 1, 3).contiguous()
     return Packed(data, N, K)
+
+
+def linear_rows(x: torch.Tensor, p: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` for a contiguous bf16 ``x`` [M, K] with K a multiple of 32 and an fp32
+    ``bias`` or None, without the checks (the engine's hot path; callers guarantee them)."""
+    M = x.shape[0]
+    y = torch.empty(M, p.n, dtype=torch.bfloat16)
+    _state["lib"].fastmtp_linear_bf16_amx(x.data_ptr(), p.data.data_ptr(),
+                                          bias.data_ptr() if bias is not None else None,
+                                          y.data_ptr(), M, p.n, p.k, torch.get_num_threads())
+    return y
 
 
 def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core import cpu_kernels
-from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
+from fastmtp_sglang.core.packed_linear import (FUSED_MAX_ROWS, _apply, _version, fused_group, packed_weight,
+                                              runs_packed)
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 ENV = "FASTMTP_LEAN_FORWARD"  # "auto" (default) or "off"
@@ -101,6 +102,21 @@ class _Proj:
     def __init__(self, members: list[torch.nn.Linear]):
         self.members = members
 
+    def tiles(self) -> tuple | None:
+        """(the AMX-tiled weight, fp32 bias or None) the members' packed forwards use (fused
+        where they are fused), or None where they do not run on tiles."""
+        ms = self.members
+        if len(ms) > 1:
+            group = fused_group(ms)
+            if group is None:
+                return None
+            w, b = group.weight()
+        else:
+            w, b = packed_weight(ms[0]), ms[0].bias
+        if not isinstance(w, cpu_kernels.Packed) or w.k % cpu_kernels.TILE_K:
+            return None
+        return w, (None if b is None else b.detach().float().contiguous())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ms = self.members
         if runs_packed(ms[0], x):
@@ -156,8 +172,10 @@ class LeanForward:
             amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
         L = len(self.layers)
         if x.dtype == torch.bfloat16 and cpu_kernels.available() and runs_packed(self.layers[0][2].members[0], x):
-            return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
-                                      cache, B, S, keep)
+            tiles = self._tiles()
+            if tiles is not None:
+                return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
+                                          cache, B, S, keep, tiles)
         hs = ({0: x.view(B, S, -1)} if 0 in keep else {}) if keep else None
         qk = (nh + nkv) * D
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, scale) in enumerate(self.layers):
@@ -181,7 +199,26 @@ class LeanForward:
             hs[L] = out
         return out, hs
 
-    def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep):
+    def _tiles(self) -> list | None:
+        """Per layer, the four products' (tiles, bias), resolved once per forward: the packed
+        layers' own copies (remade there when a weight changed); None if any does not run on
+        AMX tiles."""
+        key = tuple(_version(m.weight) for layer in self.layers for pr in layer[1:6:1]
+                    if isinstance(pr, _Proj) for m in pr.members)
+        if getattr(self, "_tiles_key", None) != key:
+            self._tiles_cache = None
+            out = []
+            for layer in self.layers:
+                t = [pr.tiles() for pr in (layer[1], layer[2], layer[4], layer[5])]
+                if any(x is None for x in t):
+                    break
+                out.append(t)
+            else:
+                self._tiles_cache = out
+            self._tiles_key = key
+        return self._tiles_cache
+
+    def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep, tiles):
         """The same layers with each elementwise step one call of core/cpu_kernels.py (bf16,
         AMX CPUs): the residual add fused into the next RMSNorm, rotary embedding in place on
         the q/k/v product, silu(gate) * up in one pass."""
@@ -191,8 +228,10 @@ class LeanForward:
         h = torch.empty_like(x)
         ln1 = self.layers[0][0]
         cpu_kernels.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
-        for i, (_, qkv, o_proj, ln2, gate_up, down, scale) in enumerate(self.layers):
-            p = qkv(h)
+        lin = cpu_kernels.linear_rows
+        for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
+            (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
+            p = lin(h, wqkv, bqkv)
             cpu_kernels.rope_(p, cos, sin, nh + nkv, D)
             q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
@@ -201,9 +240,9 @@ class LeanForward:
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=amask, scale=scale,
                                                is_causal=bool(S > 1 and amask is None),
                                                enable_gqa=nkv != nh)
-            o = o_proj(a.transpose(1, 2).reshape(N, nh * D))
+            o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
             cpu_kernels.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
-            d = down(cpu_kernels.silu_mul(gate_up(h)))
+            d = lin(cpu_kernels.silu_mul(lin(h, wgu, bgu)), wd, bd)
             nxt = self.layers[i + 1][0] if i + 1 < L else self.inner.norm
             cpu_kernels.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
             if hs is not None and i + 1 in keep and i + 1 < L:
