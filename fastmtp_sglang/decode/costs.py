@@ -23,6 +23,7 @@ import torch
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
 from fastmtp_sglang.decode.lean_forward import LeanForward, unsupported
+from fastmtp_sglang.decode.lean_head import LeanHead
 
 
 def cpu_description() -> dict[str, Any]:
@@ -190,16 +191,21 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 
     calls: dict[str, Any] = {f"verify{n}": (lambda n=n: verify(n)) for n in ns}
     if head is not None:
+        lean_head = LeanHead(head) if fwd is not None else None
+
+        def run_head(h, ids_, pos_, cache_):  # as the engine does (ReferenceEngine._head)
+            out = lean_head(h, ids_, pos_, cache_) if lean_head is not None else None
+            return out if out is not None else head(h, ids_, pos_, cache_, return_logits=False)[0]
+
         dcache = head.new_cache(B, context + max(ns) + 2, device=dev)
-        head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None].expand(B, -1),
-             dcache, return_logits=False)
+        run_head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None].expand(B, -1),
+                 dcache)
         g0 = hidden[:, -1]
         tok = ids[:, context:context + 1]
         step_pos = torch.full((B, 1), context, device=dev)
 
         def draft_step():
-            g, _ = head(g0[:, None], tok, step_pos, dcache, return_logits=False)
-            g = g[:, 0]
+            g = run_head(g0[:, None], tok, step_pos, dcache)[:, 0]
             if draft_vocab is None:
                 head.project(g).float().argmax(-1)
             else:
@@ -208,7 +214,7 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 
         def extend(n: int):
             pos = torch.arange(context, context + n, device=dev)[None].expand(B, -1)
-            head(hidden[:, -n:], ids[:, context:context + n], pos, dcache, return_logits=False)
+            run_head(hidden[:, -n:], ids[:, context:context + n], pos, dcache)
 
         calls["draft_step"] = draft_step
         calls.update({f"extend{n}": (lambda n=n: extend(n)) for n in ns})

@@ -34,6 +34,7 @@ from fastmtp_sglang.core.head import FastMTPHead, head_input
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import Batch, Row
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
+from fastmtp_sglang.decode.lean_head import LeanHead
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.ngram import NgramIndex
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
@@ -141,6 +142,8 @@ class ReferenceEngine:
         self.packed = pack_for_inference(self.model, head, packed) or is_packed(self.model)
         # the target's forward in fewer calls, same numbers (decode/lean_forward.py), or None
         self.lean = lean_forward_for(self.model, lean)
+        # and the head's on the bf16 CPU kernels where they run (decode/lean_head.py), or None
+        self.lean_head = LeanHead(head) if head is not None and self.lean is not None else None
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
@@ -175,6 +178,15 @@ class ReferenceEngine:
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                past_key_values=cache, use_cache=True, output_hidden_states=bool(aux))
         return out.last_hidden_state, head_input(out, aux)
+
+    def _head(self, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """The head's output hidden states [B, S, H] (its final norm's), through the lean path
+        where it applies."""
+        if self.lean_head is not None:
+            out = self.lean_head(hidden, ids, pos, cache)
+            if out is not None:
+                return out
+        return self.head(hidden, ids, pos, cache, return_logits=False)[0]
 
     # -- the loop ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -275,7 +287,7 @@ class ReferenceEngine:
             nxt[torch.arange(B, device=dev), lens - 1] = b.pending
             max_len = self.max_context + K + 2
             b.dcache = self.head.new_cache(B, max_len, device=dev)
-            g, _ = self.head(feats, nxt, ar[None].expand(B, L), b.dcache, return_logits=False)
+            g = self._head(feats, nxt, ar[None].expand(B, L), b.dcache)
             b.g = g[torch.arange(B, device=dev), lens - 1]                            # [B, H]
             if self.auto is not None:  # what the head read at the last prompt position
                 last = torch.arange(B, device=dev), lens - 1
@@ -339,7 +351,7 @@ class ReferenceEngine:
         qs.append(q)
         for k in range(2, K + 1):
             pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
-            g, _ = self.head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache, return_logits=False)
+            g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
             b.g = g[:, 0]
             d, q = b.draft_pick(b.g)
             drafts[:, k - 1] = d
@@ -432,7 +444,7 @@ class ReferenceEngine:
                     parts = b.deferred + [(vh, ext_ids, vpos)]
                     vh, ext_ids, vpos = (torch.cat(x, dim=1) for x in zip(*parts))
                     off, b.deferred = vh.shape[1] - (drafts.shape[1] + 1), []
-                ge, _ = self.head(vh, ext_ids, vpos, b.dcache, return_logits=False)
+                ge = self._head(vh, ext_ids, vpos, b.dcache)
                 b.g = ge[torch.arange(n, device=self.device), off + acc]
         return bonus
 
@@ -441,7 +453,7 @@ class ReferenceEngine:
         verified one position and accepted nothing, so the last column is every row's end."""
         t, z = time.perf_counter(), len(b.deferred)
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
-        ge, _ = self.head(vh, ids, pos, b.dcache, return_logits=False)
+        ge = self._head(vh, ids, pos, b.dcache)
         b.g = ge[:, -1]
         b.deferred = []
         if self.auto is not None:  # what a catch-up over z positions costs here, for its price

@@ -1,24 +1,26 @@
 """The target's forward in the reference engine, with the same numbers and fewer calls.
 
-A plain step of the demo target (SmolLM2-135M, 30 layers) through transformers' ``LlamaModel``
-makes ~1,500 PyTorch calls: the mask builder, the cache and attention interfaces, eight calls
-per RMSNorm, fourteen for the rotary embedding of q and k, a Python wrapper around each
-projection. At 3-5 us of dispatch each on the 2-core CPUs this project runs on, that is 10-14 ms
-of a 35-43 ms step, beside ~16 ms of matrix products (section 6.9 of docs/design.md).
+Through transformers' ``LlamaModel`` a decode step builds the mask, goes through the cache and
+attention interfaces and a Python wrapper per projection, and spends eight PyTorch calls on each
+RMSNorm and fourteen on the rotary embedding of q and k. At 3-5 us of dispatch per call on the
+2-core CPUs this project runs on, that was about half of a bf16 plain step of the demo target
+(34.9 ms through transformers against 22.2 ms here, with the same AMX products;
+bench/results/speculation_pays/costs/, design section 6.9).
 
-:class:`LeanForward` runs the same decoder layers on the same weights and the engine's
-:class:`~fastmtp_sglang.decode.slot_cache.SlotCache`, with each step expressed in fewer calls
-that compute bit-identical values (tests/test_lean_forward.py compares hidden states, caches
-and the engine's tokens with transformers', fp32 and bf16, Llama and Qwen2, with and without
-padding holes):
+:class:`LeanForward` runs the same decoder layers on the same modules and the engine's
+:class:`~fastmtp_sglang.decode.slot_cache.SlotCache`:
 
 - the attention mask built once per forward from the engine's 2-D slot mask (transformers'
-  causal + padding rule, kept as a bool mask; None for one new token and no holes);
-- rotary embedding applied to q and k in one tensor (their columns are adjacent in q/k/v);
-- q/k/v and gate/up as one product each on the prepared bf16 weights of core/packed_linear.py
-  where the engine packs the model (bit-identical to three / two products up to
-  ``FUSED_MAX_ROWS`` rows); separate ``F.linear`` calls otherwise (fp32: MKL may pick another
-  kernel for a wider matrix).
+  causal + padding rule, a bool mask; None for one new token and no holes);
+- rotary embedding applied to q and k as one tensor (their columns are adjacent in q/k/v);
+- q/k/v and gate/up as one product each where the engine packed the model (core/packed_linear.py,
+  bit-identical to the separate products up to ``FUSED_MAX_ROWS`` rows); separate ``F.linear``
+  calls otherwise (fp32: MKL may pick another kernel for a wider matrix).
+
+On PyTorch's kernels this is **bit-identical** to transformers (tests/test_lean_forward.py:
+hidden states, kept layers and caches, fp32 and bf16, Llama and Qwen2, padding holes). On bf16
+CPUs with AMX (core/cpu_kernels.py) each elementwise step is one C call with transformers'
+roundings and each product one call on AMX tiles: the same maths within bf16 rounding.
 
 It covers Llama-style dense decoders (``llama``, ``qwen2``, ``mistral`` without a sliding
 window): :func:`unsupported` says why another model is left to transformers' own forward.

@@ -1,0 +1,106 @@
+"""The head's forward in the reference engine on the bf16 CPU kernels (AMX machines).
+
+A draft step of the shipped head is one decoder layer, its input fusion and norms: ~60 PyTorch
+calls around 5 products, 3.1-3.3 ms in a cycle where reading its weights and its vocabulary
+table takes ~1.1 ms (bench/results/speculation_pays/costs/). :class:`LeanHead` runs the same
+maths the way decode/lean_forward.py runs the target's layers on AMX machines: each product on
+the AMX-tiled weights the head's packed layers already keep (core/packed_linear.py), each
+elementwise step one call of core/cpu_kernels.py with the module's roundings.
+
+It covers heads without aux layers whose products all run on tiles (bf16, packed, widths a
+multiple of 32); :meth:`LeanHead.__call__` returns None otherwise, and the engine calls the
+module. Under autograd it is never used (training calls the module). The numbers differ from
+the module's in the last bits, as the target's bf16 kernels do (tests/test_lean_head.py); fp32
+never takes this path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core.packed_linear import _version, runs_packed
+from fastmtp_sglang.decode.lean_forward import _Proj
+
+
+class LeanHead:
+    """``lean(hidden, ids, positions, cache)`` -> the head's output hidden [B, S, H] after its
+    final norm (``FastMTPHead.forward(..., return_logits=False)[0]``), or None where it does not
+    apply (the caller then runs the module)."""
+
+    def __init__(self, head):
+        self.head = head
+        cfg = head.cfg
+        self.ok = (not cfg.aux_hidden_states and cfg.hidden_act == "silu"
+                   and cfg.head_dim <= 512 and cpu_kernels.available())
+        a, m = head.layer.self_attn, head.layer.mlp
+        if cfg.layout == "mimo":
+            fuse = [_Proj([head.input_proj])]
+        elif cfg.layout == "deepseek":
+            fuse = [_Proj([head.eh_proj])]
+        else:
+            fuse = [_Proj([head.e_proj]), _Proj([head.h_proj])]
+        self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
+                             _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
+        self._key = None
+        self._tiles = None
+
+    def _resolve(self) -> list | None:
+        key = tuple(_version(mod.weight) for p in self.projs for mod in p.members)
+        if key != self._key:
+            tiles = [p.tiles() for p in self.projs]
+            self._tiles = None if any(t is None for t in tiles) else tiles
+            self._key = key
+        return self._tiles
+
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache):
+        hd = self.head
+        H = hd.cfg.hidden_size
+        if (not self.ok or cache is None or torch.is_grad_enabled() or hidden.shape[-1] != H
+                or hidden.dtype != torch.bfloat16 or not runs_packed(self.projs[-1].members[0], hidden)):
+            return None
+        tiles = self._resolve()
+        if tiles is None:
+            return None
+        lin, ck = cpu_kernels.linear_rows, cpu_kernels
+        B, S = ids.shape
+        N = B * S
+        nh, nkv, D = hd.cfg.num_attention_heads, hd.cfg.num_key_value_heads, hd.cfg.head_dim
+        e = hd.embed_tokens(ids).to(torch.bfloat16).reshape(N, H).contiguous()
+        h = hidden.reshape(N, H).contiguous()
+        en, hn = torch.empty_like(e), torch.empty_like(h)
+        ck.add_rms_(e, None, hd.enorm.weight, hd.enorm.eps, en)
+        ck.add_rms_(h, None, hd.hnorm.weight, hd.hnorm.eps, hn)
+        if hd.cfg.layout == "mimo":
+            x = lin(torch.cat([hn, en], -1), *tiles[0])
+        elif hd.cfg.layout == "deepseek":
+            x = lin(torch.cat([en, hn], -1), *tiles[0])
+        else:
+            x = lin(en, *tiles[0]) + lin(hn, *tiles[1])
+        (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[-4:]
+        cos, sin = hd._cos_sin(x.view(B, S, H), positions)
+        cos, sin = cos.reshape(N, D).contiguous(), sin.reshape(N, D).contiguous()
+        layer = hd.layer
+        t = torch.empty_like(x)
+        ck.add_rms_(x, None, layer.input_layernorm.weight, layer.input_layernorm.eps, t)
+        p = lin(t, wqkv, bqkv)
+        ck.rope_(p, cos, sin, nh + nkv, D)
+        qk = (nh + nkv) * D
+        q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
+        k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
+        v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
+        cache.write(positions, k, v)
+        n = int(positions.max()) + 1
+        keys, vals = cache.k[:, :, :n], cache.v[:, :, :n]
+        if B == 1 and S == 1:  # one query at the last key sees every key (as the module does)
+            a = F.scaled_dot_product_attention(q.reshape(1, nkv, nh // nkv, D), keys, vals)
+        else:
+            mask = torch.arange(n, device=ids.device)[None, None, None, :] <= positions[:, None, :, None]
+            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nkv != nh)
+            a = a.transpose(1, 2)
+        o = lin(a.reshape(N, nh * D).contiguous(), wo, bo)
+        ck.add_rms_(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, t)
+        d = lin(ck.silu_mul(lin(t, wgu, bgu)), wd, bd)
+        ck.add_rms_(x, d, hd.final_norm.weight, hd.final_norm.eps, t)
+        return t.view(B, S, H)

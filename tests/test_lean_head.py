@@ -1,0 +1,104 @@
+"""The head's lean forward (decode/lean_head.py) on the bf16 CPU kernels: within bf16 rounding of
+the module over prefills, draft steps and extends, at batch 1 and 2, for every layout, with the
+same head cache contents; never used in fp32, under autograd or for heads with aux layers (the
+module runs there); the engine's output the same with it as without in fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core.packed_linear import pack_for_inference
+from fastmtp_sglang.decode.lean_head import LeanHead
+from test_engine import random_head, tiny_target
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"cpu kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def _world(layout: str, dtype=torch.bfloat16):
+    t = tiny_target("llama", seed=5)
+    head = random_head(t, layout, seed=6)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.3)
+    t.model.to(dtype)
+    head.to(dtype)
+    return t, head
+
+
+def _calls(B: int):
+    """(hidden-from, ids, positions) of a prefill over 7 positions, then 3 draft steps and an
+    extend over 3 positions, per row at its own offset."""
+    g = torch.Generator().manual_seed(B)
+    off = torch.arange(B)[:, None] * 2
+    out = [(torch.randn(B, 7, 64, generator=g), torch.randint(0, 50, (B, 7), generator=g), off + torch.arange(7))]
+    for k in range(3):
+        out.append((None, torch.randint(0, 50, (B, 1), generator=g), off + 7 + k))
+    out.append((torch.randn(B, 3, 64, generator=g), torch.randint(0, 50, (B, 3), generator=g), off + torch.arange(7, 10)))
+    return out
+
+
+def _run(fn, head, B: int):
+    cache = head.new_cache(B, 64)
+    outs, g = [], None
+    for hidden, ids, pos in _calls(B):
+        h = (hidden.to(torch.bfloat16) if hidden is not None else g)
+        g = fn(h, ids, pos, cache)
+        outs.append(g)
+        g = g[:, -1:]
+    return outs, cache
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["split", "mimo", "deepseek"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_lean_head_within_rounding_of_the_module(layout, B):
+    t, head = _world(layout)
+    pack_for_inference(t.model, head, "on")
+    lean = LeanHead(head)
+    with torch.inference_mode():
+        a, ca = _run(lambda h, i, p, c: head(h, i, p, c, return_logits=False)[0], head, B)
+        b, cb = _run(lean, head, B)
+        for x, y in zip(a, b):
+            assert y is not None and y.shape == x.shape
+            torch.testing.assert_close(y.float(), x.float(), rtol=3e-2, atol=3e-2)
+            agree = (head.project(x).argmax(-1) == head.project(y).argmax(-1)).float().mean()
+            assert agree > 0.8
+        torch.testing.assert_close(cb.k.float(), ca.k.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(cb.v.float(), ca.v.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_lean_head_steps_aside_where_it_does_not_apply():
+    t, head = _world("split", torch.float32)
+    lean = LeanHead(head)
+    cache = head.new_cache(1, 16)
+    x, ids, pos = torch.randn(1, 1, 64), torch.tensor([[3]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        assert lean(x, ids, pos, cache) is None            # fp32: PyTorch's kernels, the module
+    t, head = _world("split")
+    pack_for_inference(t.model, head, "on")
+    lean = LeanHead(head)
+    cache = head.new_cache(1, 16)
+    xb = x.to(torch.bfloat16)
+    assert lean(xb, ids, pos, cache) is None               # autograd on: training calls the module
+    with torch.inference_mode():
+        assert lean(torch.randn(1, 1, 128).to(torch.bfloat16), ids, pos, cache) is None  # aux-width input
+        assert (lean(xb, ids, pos, cache) is not None) == cpu_kernels.available()
+
+
+def test_engine_output_unchanged_in_fp32():
+    """fp32 never takes the lean head: the engine's tokens with and without the lean paths."""
+    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+    from fastmtp_sglang.decode.sampling import SamplingParams
+
+    t, head = _world("mimo", torch.float32)
+    t2, head2 = copy.deepcopy((t, head))
+    on, off = ReferenceEngine(t, head, 3), ReferenceEngine(t2, head2, 3, lean="off")
+    assert on.lean_head is not None and off.lean_head is None
+    reqs = lambda: [Request([1, 2, 3, 4], SamplingParams(max_new_tokens=12)), Request([9, 8], SamplingParams(max_new_tokens=12))]
+    assert [r.output_ids for r in on.generate(reqs())] == [r.output_ids for r in off.generate(reqs())]
