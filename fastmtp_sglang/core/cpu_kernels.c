@@ -11,8 +11,8 @@
    products in the same order for any M (a row's result does not depend on the other rows).
    The sums get the bias in fp32 and are rounded to bf16 (nearest even) once.
 
-   Blocks of columns are split across OpenMP threads; linking libgomp by soname makes this the
-   runtime PyTorch's CPU build ships and has already loaded, so no second thread pool competes.
+   Blocks of columns are split across OpenMP threads; cpu_kernels.py links the library against
+   the libgomp PyTorch has already loaded, so no second thread pool competes for the cores.
    Tile configuration is per thread: each thread loads its own and releases it. */
 
 #include <immintrin.h>

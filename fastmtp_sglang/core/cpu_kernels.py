@@ -10,8 +10,8 @@ products in 11.5-12 ms at 1-16 rows (18 GB/s), 15 ms at 32, level with oneDNN fr
 (``python bench/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
 
 - :func:`available`: the kernel is built with the system's C compiler on first use
-  (``gcc -O3 -fopenmp``, under a second) and cached under ``<cache>/kernels/`` by the hash of the
-  source and the compiler (``<cache>``: ``$FASTMTP_CACHE`` or ``~/.cache/fastmtp``); False, with
+  (``gcc -O3 -fopenmp``, linked against the libgomp PyTorch loaded; about a second) and cached
+  under ``<cache>/kernels/`` by the hash of the source, the compiler and that runtime (``<cache>``: ``$FASTMTP_CACHE`` or ``~/.cache/fastmtp``); False, with
   :func:`unavailable_reason`, on a CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel
   cannot be built or the OS refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``.
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
@@ -53,25 +53,46 @@ def _cache_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
+def _loaded_openmp() -> str | None:
+    """The OpenMP runtime PyTorch loaded into this process (its own libgomp, whatever its file
+    name), so the kernel links that very library and shares its threads."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if "/libgomp" in path and ".so" in path and os.path.exists(path):
+            return path
+    return None
+
+
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    tag = hashlib.sha256(src + ver.encode()).hexdigest()[:16]
+    omp = _loaded_openmp()
+    tag = hashlib.sha256(src + ver.encode() + str(omp).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{tag}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    obj = tmp + ".o"
     try:  # written beside, renamed into place: another process never loads half a library
-        cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", str(SOURCE), "-o", tmp, "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
+        # compiled with OpenMP, linked against the runtime torch already has (a second libgomp
+        # in the process would keep its own spinning threads on the same cores)
+        steps = [[cc, "-O3", "-fPIC", "-fopenmp", "-c", str(SOURCE), "-o", obj],
+                 [cc, "-shared", obj, "-o", tmp] + ([omp] if omp else ["-fopenmp"]) + ["-lm"]]
+        for cmd in steps:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for f in (tmp, obj):
+            if os.path.exists(f):
+                os.unlink(f)
     return out
 
 
