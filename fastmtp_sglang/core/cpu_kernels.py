@@ -2,11 +2,11 @@
 
 A plain step multiplies one row by every weight of the model; a verify, K+1 rows; a batch of B
 requests, B (K+1) rows. Through oneDNN's kernels on prepared weights (core/packed_linear.py) the
-demo target's 120 projections of a step stream their 212 MB at ~13 GB/s on the AMX Xeon, where
-a plain read of memory reaches ~23 GB/s, at every row count from 1 to 16 (each product is a
+demo target's 120 projections of a step stream their 212 MB at 18-19 GB/s on the AMX Xeon, where
+a plain read of memory reached 28.7 GB/s in the same run, at every row count from 1 to 16 (each product is a
 short call with its own fixed cost). ``cpu_kernels.c`` multiplies each 1 KB tile of a weight
 against all rows before it reads the next, in one call with little around it: the same 120
-products in 11.5-12 ms at 1-16 rows (18 GB/s), 15 ms at 32, level with oneDNN from 128 rows
+products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows, slower from 128
 (``python bench/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
 
 - :func:`available`: the kernel is built with the system's C compiler on first use
@@ -15,6 +15,8 @@ products in 11.5-12 ms at 1-16 rows (18 GB/s), 15 ms at 32, level with oneDNN fr
   :func:`unavailable_reason`, on a CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel
   cannot be built or the OS refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``.
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
+- :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
+  layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
 
 The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
 of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of

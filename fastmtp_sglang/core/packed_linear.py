@@ -24,8 +24,8 @@ input computes its own. Only up to ``FUSED_MAX_ROWS`` rows, where the fused prod
 bit-identical to the separate ones (it was not at 200 rows: prefills keep the separate path).
 
 Where the CPU has AMX the prepared copy is laid out in tiles for core/cpu_kernels.py instead of
-oneDNN's layout (:func:`backend`): the same products 1.4x faster at 1-16 rows, equal from 128
-rows. Its sums run in another order than oneDNN's, so the last bit of an output may differ from
+oneDNN's layout (:func:`backend`): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
+slower from 128 rows (bench/results/cpu_kernels_probe/). Its sums run in another order than oneDNN's, so the last bit of an output may differ from
 ``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
 independent of the other rows, and a fused product equals the separate ones exactly.
 """
