@@ -22,7 +22,7 @@ import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
-from fastmtp_sglang.decode.lean_forward import LeanForward, unsupported
+from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
 
 
@@ -149,9 +149,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
                     unpack_linears(m)
         pack_for_inference(model, head, fuse=fuse)
     try:
-        fwd = None
-        if lean and not stock and unsupported(model) is None:
-            fwd = LeanForward(model)
+        fwd = lean_forward_for(model, "auto" if lean and not stock else "off")
         return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
                         batch, DynamicCache() if stock else SlotCache(), fwd)
     finally:
@@ -191,11 +189,9 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
 
     calls: dict[str, Any] = {f"verify{n}": (lambda n=n: verify(n)) for n in ns}
     if head is not None:
-        lean_head = LeanHead(head) if fwd is not None else None
-
-        def run_head(h, ids_, pos_, cache_):  # as the engine does (ReferenceEngine._head)
-            out = lean_head(h, ids_, pos_, cache_) if lean_head is not None else None
-            return out if out is not None else head(h, ids_, pos_, cache_, return_logits=False)[0]
+        # as the engine does (ReferenceEngine._head)
+        run_head = (LeanHead(head).run if fwd is not None
+                    else lambda h, i, p, c: head(h, i, p, c, return_logits=False)[0])
 
         dcache = head.new_cache(B, context + max(ns) + 2, device=dev)
         run_head(hidden, ids[:, 1:context + 1], torch.arange(context, device=dev)[None].expand(B, -1),

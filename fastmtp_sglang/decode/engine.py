@@ -26,6 +26,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -174,7 +175,7 @@ class ReferenceEngine:
         aux = self.head.cfg.aux_hidden_states if self.head is not None else ()
         if self.lean is not None:
             last, hs = self.lean(ids, pos, mask, cache, keep=tuple(aux))
-            return last, (torch.cat([hs[i] for i in aux] + [last], dim=-1) if aux else last)
+            return last, head_input(SimpleNamespace(last_hidden_state=last, hidden_states=hs), aux)
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                past_key_values=cache, use_cache=True, output_hidden_states=bool(aux))
         return out.last_hidden_state, head_input(out, aux)
@@ -183,9 +184,7 @@ class ReferenceEngine:
         """The head's output hidden states [B, S, H] (its final norm's), through the lean path
         where it applies."""
         if self.lean_head is not None:
-            out = self.lean_head(hidden, ids, pos, cache)
-            if out is not None:
-                return out
+            return self.lean_head.run(hidden, ids, pos, cache)
         return self.head(hidden, ids, pos, cache, return_logits=False)[0]
 
     # -- the loop ---------------------------------------------------------------------------

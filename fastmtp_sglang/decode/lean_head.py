@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core import cpu_kernels
-from fastmtp_sglang.core.packed_linear import _version, runs_packed
-from fastmtp_sglang.decode.lean_forward import _Proj
+from fastmtp_sglang.core.packed_linear import runs_packed
+from fastmtp_sglang.decode.lean_forward import TileSet, _Proj
 
 
 class LeanHead:
@@ -43,16 +43,15 @@ class LeanHead:
             fuse = [_Proj([head.e_proj]), _Proj([head.h_proj])]
         self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
                              _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
-        self._key = None
-        self._tiles = None
+        self._tileset = TileSet(self.projs)
 
-    def _resolve(self) -> list | None:
-        key = tuple(_version(mod.weight) for p in self.projs for mod in p.members)
-        if key != self._key:
-            tiles = [p.tiles() for p in self.projs]
-            self._tiles = None if any(t is None for t in tiles) else tiles
-            self._key = key
-        return self._tiles
+    def run(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The lean path where it applies, the module otherwise (what the engine and the cost
+        curve call)."""
+        out = self(hidden, ids, positions, cache)
+        if out is None:
+            out = self.head(hidden, ids, positions, cache, return_logits=False)[0]
+        return out
 
     def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache):
         hd = self.head
@@ -60,7 +59,7 @@ class LeanHead:
         if (not self.ok or cache is None or torch.is_grad_enabled() or hidden.shape[-1] != H
                 or hidden.dtype != torch.bfloat16 or not runs_packed(self.projs[-1].members[0], hidden)):
             return None
-        tiles = self._resolve()
+        tiles = self._tileset.get()
         if tiles is None:
             return None
         lin, ck = cpu_kernels.linear_rows, cpu_kernels
