@@ -382,3 +382,23 @@ def test_the_engine_reports_its_catch_ups(llama):
     eng.generate([Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=12)),
                   Request([3, 4], SamplingParams(max_new_tokens=12))])
     assert list(eng.auto._catch_up) == [2] and len(eng.auto._catch_up[2]) == 1  # (6 positions)
+
+
+def test_no_probes_where_the_batch_leaves_drafting_no_room():
+    """Once drafting has been observed, a probe is made only at batch sizes where rows as good
+    as the best shared estimate could make drafting pay: at 16 rows (K=1 at 1.6x a plain cycle)
+    a head accepted 37% of the time never could, so K=0 runs without probes there, while one row
+    still probes."""
+    b16 = StepCosts({1: 85.0, 2: 135.0, 4: 144.0}, 0.5, 4.0)
+    costs = StepCosts({1: 44.5, 2: 50.9, 4: 52.6}, 0.7, 2.0, by_batch={16: b16})
+    auto = AutoK(costs, 3, probe_every=8, calibrate=False, shared_alpha=1.0)
+    assert auto.room(16) and auto.room(1)  # nothing observed yet
+    auto.update(auto.new_estimate(), 3, 1)   # accepted, rejected: shared = [1, 0, prior]
+    auto.shared["head"] = [0.37] * 3
+    rows = [[0.37] * 3] * 16
+    assert not auto.room(16) and auto.room(1)
+    assert all(auto.choose(rows, zero_run=z) == 0 for z in range(8, 5000, 7))
+    assert auto.probe_due(rows[:1], zero_run=8)
+    auto.shared["lookup4"] = [0.95] * 3  # a source that could pay at 16 reopens the room
+    auto._seen["lookup4"] = 1
+    assert auto.room(16)

@@ -248,7 +248,9 @@ def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
         eng.join(b, reqs[2:], [2, 3])
         if not catch_up_first:
             assert len(b.deferred) == 3 and all(x.shape[0] == 4 for d in b.deferred for x in d)
-            eng._catch_up(b)
+        assert [r.head_prompt is not None for r in b.rows] == [not catch_up_first] * 2 + [True, True]
+        eng._catch_up(b)  # (after a catch-up first: the joiners' prompts alone)
+        assert all(r.head_prompt is None for r in b.rows) and not b.deferred
         return b
 
     deferred, caught = run(False), run(True)
@@ -260,6 +262,26 @@ def test_rows_join_a_batch_with_deferred_extends_without_a_catch_up(live_world):
     eng._choose = lambda b: 3
     assert done == {i: _alone(ReferenceEngine(t, head, 3), r.input_ids, r.params.max_new_tokens)
                     for i, r in enumerate(reqs)}
+
+
+def test_rows_at_k0_never_run_the_head_until_they_draft(live_world):
+    """auto defers the head's extend over a prompt to the row's first drafting cycle: rows that
+    join and leave a batch decoding at K=0 never run the head; when the batch then drafts, the
+    prompts of the rows still there run as one padded forward (the shorter one repeats its last
+    position) and every row gets its alone tokens (fp32)."""
+    t, head = live_world
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
+    eng.prefill_call_tokens = 1000  # one group: the flush pads the 7-token prompt to 11
+    calls, seen = [], []
+    real = eng._head
+    eng._head = lambda *a: calls.append(tuple(a[1].shape)) or real(*a)
+    plan = iter([0] * 6 + [3] * 100)
+    eng._choose = lambda b: seen.append(len(calls)) or next(plan)
+    n_new = [3, 2, 30, 1, 25]
+    out, _ = _staggered(eng, PROMPTS[:5], n_new, [0, 1, 1, 2, 4])
+    assert seen[6] == 0  # six cycles at K=0, four prompts prefilled: no head call
+    assert calls[0] == (2, 11)  # rows 2 and 4 (rows 0, 1, 3 finished at K=0): one forward
+    assert out == {i: _alone(ReferenceEngine(t, head, 3), PROMPTS[i], n) for i, n in enumerate(n_new)}
 
 
 def test_deferred_extends_are_bounded_and_the_output_is_unchanged(live_world, monkeypatch):

@@ -18,7 +18,8 @@ after ``probe_every`` cycles at K=0 the controller may draft once at K=1 to look
 is not free where verification is not (at batch 16 a K=1 cycle costs ~1.6x a plain one, plus the
 head's catch-up over the skipped positions), so it waits until the K=0 time since the last
 drafting cycle, times ``probe_budget``, covers what the probe is expected to lose against plain
-decoding: probes cost at most that fraction of the time spent at K=0.
+decoding: probes cost at most that fraction of the time spent at K=0; and it is not made at
+all at a batch size where even the best acceptance seen would not make drafting pay.
 Any K is lossless (every cycle is verified), so the choice changes speed, never the output.
 
 Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand, and are
@@ -176,6 +177,7 @@ class AutoK:
         # every request's observations, slowly, per draft source ("head", or "lookup<n>" for a
         # prompt-lookup proposal whose suffix matched n tokens)
         self.shared: dict[str, list[float]] = {}
+        self._seen: dict[str, int] = {}  # drafting cycles observed per source (room())
         # measured / modelled cycle time, per (K, batch-size class) (EMA): the costs were
         # measured on bare calls; a serving loop adds its own (attention over slot holes and
         # the longest row's width, bookkeeping per row), more so at larger K and batch. Starts
@@ -196,6 +198,8 @@ class AutoK:
     def update(self, est: list[float], k: int, accepted: int, source: str = "head") -> None:
         """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too."""
         self._observe(est, k, accepted, self.alpha)
+        if k:
+            self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
             self._observe(shared, k, accepted, self.shared_alpha)
@@ -272,6 +276,20 @@ class AutoK:
         rate[0] *= 1.0 + self.margin
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
+    def room(self, batch: int) -> bool:
+        """Could drafting beat K=0 at this batch size for rows as good as the best any draft
+        source has been on average (the shared estimates, position by position)? Where it could
+        not, a probe cannot find anything worth drafting for and is not made: at 16 rows a K=1
+        cycle costs ~1.6x a plain one, so drafting there needs step-1 acceptance above ~0.6
+        in every row at once."""
+        seen = [e for src, e in self.shared.items() if self._seen.get(src)]
+        if not seen:  # nothing observed yet: the prior is no evidence against drafting
+            return True
+        best = [max(e[j] for e in seen) for j in range(self.kmax)]
+        plain = (1.0 + self.margin) / self.cycle_ms(0, batch)
+        return any(expected_tokens(best, k) / self.cycle_ms(k, batch) > plain
+                   for k in range(1, self.kmax + 1))
+
     def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> bool:
         """After ``zero_run`` cycles at K=0: is a K=1 probe due? Not before ``probe_every`` of
         them, and not before ``probe_budget`` of their time covers what the probe is expected
@@ -280,6 +298,8 @@ class AutoK:
         if zero_run < self.probe_every:
             return False
         B = len(ests)
+        if not self.room(B):
+            return False
         plain = self.cycle_ms(0, B)
         loss = self.cycle_ms(1, B, deferred=deferred) - plain * sum(expected_tokens(e, 1) for e in ests) / B
         return loss <= self.probe_budget * zero_run * plain

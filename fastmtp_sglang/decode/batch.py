@@ -36,6 +36,10 @@ class Row:
         self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
         self.ngram = None  # prompt lookup's index of prompt + out (decode/ngram.py: NgramIndex)
         self.t_decode = 0.0  # perf_counter when its decoding began (after its prefill)
+        # auto: the head's input over the prompt, (features [L, H'], next tokens [L]) at
+        # positions 0..L-1, run when the row first needs the head (ReferenceEngine._head_prompts):
+        # a row that only ever decodes at K=0 (a loaded server) never pays the head's prefill
+        self.head_prompt: tuple[torch.Tensor, torch.Tensor] | None = None
         # one generator per request: a seeded request samples the same tokens whatever batch it
         # shares, at a fixed K (auto, or a batch near the context limit, can change the cycle's
         # K and with it the draws); rows without a seed draw theirs from torch's global generator

@@ -286,9 +286,17 @@ class ReferenceEngine:
             nxt[torch.arange(B, device=dev), lens - 1] = b.pending
             max_len = self.max_context + K + 2
             b.dcache = self.head.new_cache(B, max_len, device=dev)
-            g = self._head(feats, nxt, ar[None].expand(B, L), b.dcache)
-            b.g = g[torch.arange(B, device=dev), lens - 1]                            # [B, H]
-            if self.auto is not None:  # what the head read at the last prompt position
+            if self.auto is None:
+                g = self._head(feats, nxt, ar[None].expand(B, L), b.dcache)
+                b.g = g[torch.arange(B, device=dev), lens - 1]                        # [B, H]
+            else:
+                # auto: the head runs over the prompt when the row first drafts (_head_prompts);
+                # under load auto decodes at K=0 and the head's prefill was its one extra cost
+                # (+0.49 s over 5.5 s of prefill at 16 clients, design 6.8)
+                b.g = hidden.new_zeros(B, hidden.shape[-1])                           # [B, H]
+                for i, r in enumerate(b.rows):
+                    r.head_prompt = (feats[i, : len(r.req.input_ids)], nxt[i, : len(r.req.input_ids)])
+                # what the head reads at the last prompt position
                 last = torch.arange(B, device=dev), lens - 1
                 b.tail = (feats[last][:, None], b.pending[:, None], (lens - 1)[:, None])
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
@@ -343,8 +351,7 @@ class ReferenceEngine:
         """K recursive head steps for every live row: (drafts [n, K], q per step or None)."""
         drafts = torch.empty(len(b), K, dtype=torch.long, device=self.device)
         qs: list = []
-        if b.deferred:
-            self._catch_up(b)
+        self._catch_up(b)
         d, q = b.draft_pick(b.g)
         drafts[:, 0] = d
         qs.append(q)
@@ -439,6 +446,7 @@ class ReferenceEngine:
                     del b.deferred[0]            # (the head never sees them: drafts, not output)
             else:
                 off = 0
+                self._head_prompts(b)  # (a cycle drafted without the head: hybrid)
                 if b.deferred:  # a cycle drafted without the head (hybrid) after K=0 cycles
                     parts = b.deferred + [(vh, ext_ids, vpos)]
                     vh, ext_ids, vpos = (torch.cat(x, dim=1) for x in zip(*parts))
@@ -447,9 +455,43 @@ class ReferenceEngine:
                 b.g = ge[torch.arange(n, device=self.device), off + acc]
         return bonus
 
+    def _head_prompts(self, b: Batch) -> None:
+        """auto: the head's draft extend over the prompts of rows that have not needed the head
+        yet (``Row.head_prompt``), before anything else the head runs for them: one forward per
+        group of similar lengths (``prefill_groups``), each into a cache of its own rows that
+        is then copied into the batch's (nothing was written there for these rows). A group's
+        shorter prompts repeat their last position up to the longest: the head writes the same
+        key there again and gives the same output."""
+        rows = [r for r in b.rows if r.head_prompt is not None]
+        if not rows:
+            return
+        dev = self.device
+        for group in prefill_groups([len(r.head_prompt[1]) for r in rows], self.prefill_call_tokens):
+            part = [rows[i] for i in group]
+            L = max(len(r.head_prompt[1]) for r in part)
+            pad = lambda x, n: torch.cat([x, x[-1:].expand(n, *x.shape[1:])]) if n else x  # noqa: E731
+            feats = torch.stack([pad(r.head_prompt[0], L - len(r.head_prompt[1])) for r in part])
+            ids = torch.stack([pad(r.head_prompt[1], L - len(r.head_prompt[1])) for r in part])
+            pos = torch.stack([pad(torch.arange(len(r.head_prompt[1]), device=dev),
+                                   L - len(r.head_prompt[1])) for r in part])       # [m, L]
+            sub = self.head.new_cache(len(part), b.dcache.max_len, dtype=b.dcache.k.dtype, device=dev)
+            g = self._head(feats, ids, pos, sub)                                      # [m, L, H]
+            idx = torch.tensor([r.index for r in part], device=dev)
+            b.dcache.reserve(sub.capacity)
+            b.dcache.k[idx, :, : sub.capacity] = sub.k
+            b.dcache.v[idx, :, : sub.capacity] = sub.v
+            b.g[idx] = g[torch.arange(len(part), device=dev),
+                         torch.tensor([len(r.head_prompt[1]) - 1 for r in part], device=dev)]
+            for r in part:
+                r.head_prompt = None
+
     def _catch_up(self, b: Batch) -> None:
-        """The draft extend of the cycles that ran at K=0 (auto), in one head forward: each
+        """Before the head drafts: its extend over the prompts it has not read (_head_prompts),
+        then the draft extend of the cycles that ran at K=0 (auto), in one head forward: each
         verified one position and accepted nothing, so the last column is every row's end."""
+        self._head_prompts(b)
+        if not b.deferred:
+            return
         t, z = time.perf_counter(), len(b.deferred)
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
         ge = self._head(vh, ids, pos, b.dcache)
