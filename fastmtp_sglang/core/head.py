@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.core.errors import DraftFormatError
 
 LAYOUTS = ("mimo", "deepseek", "split")
@@ -294,10 +295,8 @@ class Attention(nn.Module):
             mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, S]
         if attn_mask is not None:
             mask = attn_mask if attn_mask.dim() == 4 else attn_mask[:, None]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        # query heads folded onto their key/value head (no repeated keys; core/attention.py)
+        out = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

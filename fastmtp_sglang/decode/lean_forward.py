@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -219,9 +220,7 @@ class LeanForward:
             k = q_k[:, nh:].view(B, S, nkv, D).transpose(1, 2)
             v = h[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=amask, scale=scale,
-                                               is_causal=bool(S > 1 and amask is None),
-                                               enable_gqa=nkv != nh)
+            a = grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
             x = x + o_proj(a.transpose(1, 2).reshape(N, nh * D))
             g = gate_up(_rms(ln2, x))
             half = g.shape[-1] // 2
@@ -258,9 +257,7 @@ class LeanForward:
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=amask, scale=scale,
-                                               is_causal=bool(S > 1 and amask is None),
-                                               enable_gqa=nkv != nh)
+            a = grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
             cpu_kernels.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
             d = lin(cpu_kernels.silu_mul(lin(h, wgu, bgu)), wd, bd)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.core.packed_linear import runs_packed
 from fastmtp_sglang.decode.lean_forward import TileSet, _Proj
 
@@ -96,8 +97,7 @@ class LeanHead:
             a = F.scaled_dot_product_attention(q.reshape(1, nkv, nh // nkv, D), keys, vals)
         else:
             mask = torch.arange(n, device=ids.device)[None, None, None, :] <= positions[:, None, :, None]
-            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nkv != nh)
-            a = a.transpose(1, 2)
+            a = grouped_attention(q, keys, vals, mask).transpose(1, 2)
         o = lin(a.reshape(N, nh * D).contiguous(), wo, bo)
         ck.add_rms_(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, t)
         d = lin(ck.silu_mul(lin(t, wgu, bgu)), wd, bd)

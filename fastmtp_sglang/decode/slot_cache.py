@@ -15,12 +15,13 @@ cache, where attention itself reads it once.
   leave moves the last rows into the holes (``move_rows``), a join writes the new rows into
   free rows (``append``), a repack gathers each row's live slots to the front (``repack``), so
   none copies the rows that stay (a 16-row batch had copied ~370 MB per join and leave).
-- :func:`gqa_sdpa`, registered as the ``"fastmtp_sdpa"`` attention implementation: the same
-  ``scaled_dot_product_attention`` call with ``enable_gqa=True`` and the mask, instead of
-  repeated keys. On CPU (torch 2.14) its outputs are bit-identical to the repeated form, in
-  fp32 and bf16 (tests/test_slot_cache.py checks it on the engine's shapes).
+- :func:`gqa_sdpa`, registered as the ``"fastmtp_sdpa"`` attention implementation:
+  :func:`grouped_attention` (the query heads of a key/value head folded into its query rows)
+  instead of repeated keys. The same maths; outputs within the last bit of the repeated form
+  (tests/test_slot_cache.py checks it on the engine's shapes), and exactly what the engine's
+  lean forward computes (decode/lean_forward.py calls the same function).
 
-Both change no number the engine computes; they remove copies.
+The cache changes no number; both remove copies, and the folded attention a slow kernel path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import functools
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from fastmtp_sglang.core.attention import grouped_attention
 
 SLACK = 256          # free slots a buffer starts with (a verify appends K+1, a prefill the prompt)
 ATTN_NAME = "fastmtp_sdpa"
@@ -248,9 +251,12 @@ def gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     groups = getattr(module, "num_key_value_groups", 1)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=causal, enable_gqa=groups > 1)
+    if dropout:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=causal, enable_gqa=groups > 1)
+    else:
+        out = grouped_attention(query, key, value, attention_mask, scaling, causal)
     return out.transpose(1, 2).contiguous(), None
 
 

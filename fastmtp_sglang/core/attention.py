@@ -1,0 +1,43 @@
+"""Attention over grouped key/value heads for the CPU decoding paths (the target's lean forward,
+its transformers attention function, the head's cached forward).
+
+The one function here folds the query heads that share a key/value head into that head's
+query rows, so PyTorch's ``scaled_dot_product_attention`` runs without its GQA path; see
+:func:`grouped_attention` for why and what it costs in exactness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_attention"]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None = None, causal: bool = False) -> torch.Tensor:
+    """Attention of grouped key/value heads, each key read once: the query heads that share a
+    key/value head become that head's query rows ([B, n_heads, S, D] -> [B, n_kv, rep * S, D],
+    the mask repeated along them), so ``scaled_dot_product_attention`` runs without GQA.
+
+    q [B, n_heads, S, D]; k, v [B, n_kv, T, D]; mask bool or additive, broadcastable to
+    [B, 1, S, T], or None. Returns [B, n_heads, S, D].
+
+    Why: PyTorch's CPU kernel with ``enable_gqa=True`` and a mask was 5-12x slower in bf16 on a
+    CPU with avx512_bf16 and no AMX (AMD EPYC; 16 rows x 311-800 slots, one query each: 2.2-6.2
+    ms per layer against 0.44-1.3 ms folded, ``bench/attention_probe.py``), which made a plain
+    decoding step at 16 rows slower than a verify of 2 tokens. The same maths: per query row
+    the same scores and the same sum, but a kernel blocks rows differently, so outputs may
+    differ from the GQA call in the last bit (fp32: ~2e-7). Causal attention without a mask (a
+    prefill) keeps the GQA call: folding would need the mask built."""
+    nh, nkv = q.shape[1], k.shape[1]
+    if nh == nkv or (causal and mask is None):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=nh != nkv)
+    B, _, S, D = q.shape
+    rep = nh // nkv
+    qg = q.reshape(B, nkv, rep * S, D)
+    if mask is not None and S > 1 and mask.shape[-2] > 1:
+        mask = mask.repeat(1, 1, rep, 1) if mask.shape[1] == 1 else (
+            mask.reshape(B, nkv, rep * S, mask.shape[-1]))
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.view(B, nh, S, D)
