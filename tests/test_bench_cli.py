@@ -72,7 +72,7 @@ def test_bench_auto_arm_is_keyed_auto_and_lossless(llama_target, tmp_path, run_c
     assert "auto (K<=2" in (out / "results.md").read_text()
     rc, _, err = run_cli("bench", "--url", "http://127.0.0.1:9", "--target", llama_target.path,
                          "--prompts", prompts, "--steps", "0,auto", "--out", tmp_path / "u")
-    assert rc == 1 and "--steps auto runs in-process" in err
+    assert rc == 1 and "add --concurrency" in err
 
 
 def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_path, run_cli):

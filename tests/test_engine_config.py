@@ -18,7 +18,7 @@ import pytest
 
 from fastmtp_sglang.serving.engine_config import (
     SGLANG_SPEC_RUNNING_REQUESTS_CAP, best_k_by_batch, sglang_adaptive_args,
-    sglang_adaptive_config, vllm_k_per_batch_size)
+    read_vllm_table, sglang_adaptive_config, vllm_k_per_batch_size, write_vllm_table)
 
 
 def _arm(tps: float) -> dict:
@@ -430,3 +430,71 @@ def test_vllm_validator_is_live(vllm_spec):
     # one range carries its K to max_num_seqs; index 0 of the lookup is unused
     assert build_lookup([(1, 4, 2)], vllm_max_batch_size=16, vllm_num_speculative_tokens=3) == (
         [0] + [2] * 16)
+
+
+# -- the vLLM table file (fastmtp serve --engine vllm --steps auto --adaptive-config) --------
+
+def test_vllm_table_file_round_trip(tmp_path):
+    ranges = vllm_k_per_batch_size({1: 3, 2: 1, 8: 0}, 3, max_batch=64)
+    path = write_vllm_table(ranges, tmp_path / "t.json")
+    assert read_vllm_table(path) == (ranges, 3)
+    assert not list(tmp_path.glob(".*.tmp"))  # written beside, then renamed
+    # a table that never drafts still names K=1: vLLM builds its lookup only with a draft
+    assert read_vllm_table(write_vllm_table([(1, 64, 0)], tmp_path / "z.json")) == ([(1, 64, 0)], 1)
+    (tmp_path / "bare.json").write_text("[[1, 4, 2], [5, 64, 0]]")
+    assert read_vllm_table(tmp_path / "bare.json") == ([(1, 4, 2), (5, 64, 0)], 2)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{", "cannot read"),
+    ('{"x": 1}', "non-empty list"),
+    ("[[1, 4]]", "three ints"),
+    ("[[2, 4, 1]]", "start at 1"),
+    ("[[1, 4, 1], [4, 8, 0]]", "overlaps"),
+    ("[[1, 4, -1]]", "K >= 0"),
+    ('{"num_speculative_tokens": 0, "num_speculative_tokens_per_batch_size": [[1, 4, 0]]}', ">= 1"),
+])
+def test_vllm_table_file_rejects(tmp_path, body, message):
+    (tmp_path / "t.json").write_text(body)
+    with pytest.raises(ValueError, match=message):
+        read_vllm_table(tmp_path / "t.json")
+
+
+def test_serve_vllm_auto_needs_and_reads_a_table(tmp_path, capsys):
+    """fastmtp serve --engine vllm --steps auto: the table is required, K is its largest, and
+    vLLM's speculative config carries it; the reference engine refuses a table."""
+    from fastmtp_sglang.cli.serve import vllm_auto_table
+    from fastmtp_sglang.core.errors import FastMTPError
+    from fastmtp_sglang.serving.vllm_launch import build_vllm_command
+
+    ns = lambda **kw: argparse.Namespace(**{"auto": True, "adaptive_config": None, "steps": 4, **kw})  # noqa: E731
+    with pytest.raises(FastMTPError, match="needs --adaptive-config"):
+        vllm_auto_table(ns())
+    with pytest.raises(FastMTPError, match="goes with --steps auto"):
+        vllm_auto_table(ns(auto=False, adaptive_config="x.json"))
+    (tmp_path / "bad.json").write_text("[[3, 4, 1]]")
+    with pytest.raises(FastMTPError, match="start at 1"):
+        vllm_auto_table(ns(adaptive_config=str(tmp_path / "bad.json")))
+    path = write_vllm_table([(1, 1, 1), (2, 1024, 0)], tmp_path / "t.json")
+    args = ns(adaptive_config=str(path))
+    ranges = vllm_auto_table(args)
+    assert ranges == [(1, 1, 1), (2, 1024, 0)] and args.steps == 1
+    assert "1-1: K=1, 2-1024: K=0" in capsys.readouterr().out
+    shipped = Path(__file__).resolve().parents[1] / "fastmtp_sglang" / "data" / "heads" / "smollm2-135m-fastmtp-k3"
+    argv, _ = build_vllm_command("/models/t", shipped, args.steps, 8000, "127.0.0.1",
+                                 k_per_batch_size=ranges)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == 1
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 1], [2, 1024, 0]]
+
+
+@pytest.mark.vllm
+def test_vllm_accepts_the_table_file(vllm_spec, tmp_path):
+    """The file's table, through --speculative-config JSON, is what vLLM's scheduler expands."""
+    parse, build_lookup, _ = vllm_spec
+    ranges, k = read_vllm_table(write_vllm_table(vllm_k_per_batch_size({1: 1, 2: 0}, 3, 64),
+                                                 tmp_path / "t.json"))
+    spec = parse(_ngram_spec(ranges, k))
+    dense = build_lookup(spec.num_speculative_tokens_per_batch_size, vllm_max_batch_size=64,
+                         vllm_num_speculative_tokens=k)
+    assert dense[1:3] == [1, 0] and set(dense[2:]) == {0}

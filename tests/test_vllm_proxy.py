@@ -146,3 +146,26 @@ def test_concurrency_loads_vllm_through_its_own_api():
     assert all(0 < r.ttft_s <= r.e2e_s <= wall for r in records)
     # the fake's counters: 10 drafts and 6 + 2 + 1 accepted per request
     assert spec == {"drafts": 50, "accepted": 45}
+
+
+def test_adaptive_server_is_benched_as_auto():
+    """A vLLM server with a K-per-batch-size table behind the adapter (--adaptive) reports
+    speculative_adaptive, so `fastmtp bench --url` names it arm auto, beside K=0 and K=3."""
+    from fastmtp_sglang.benchmark.sweep import servers_by_k
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    vllm = f"http://127.0.0.1:{fake.server_address[1]}"
+    proxies = [serve(VLLMAdapter(vllm, steps=k, adaptive=a), "127.0.0.1", 0)
+               for k, a in ((0, False), (3, False), (3, True))]
+    for p in proxies:
+        threading.Thread(target=p.serve_forever, daemon=True).start()
+    urls = [f"http://127.0.0.1:{p.server_address[1]}" for p in proxies]
+    try:
+        by_k, _ = servers_by_k(urls)
+        assert by_k == {0: urls[0], 3: urls[1], "auto": urls[2]}
+        assert client.server_info(urls[2])["speculative_adaptive"] is True
+    finally:
+        for p in proxies:
+            p.shutdown()
+        fake.shutdown()

@@ -3,14 +3,16 @@
 #   1. the reference server in-process: K=0, 1, 3, prompt lookup 3 and auto at concurrency
 #      1, 2, 4, 8, 16 (bench/results/concurrency_reference/), with the K-per-batch-size tables for
 #      SGLang and vLLM that this run measured;
-#   2. vLLM (CPU) serving the shipped head, K=0 vs K=3 at the same levels
+#   2. vLLM (CPU) serving the shipped head at the same levels: first K=0, 1, 3 once, from which
+#      vLLM's own K per batch size is written (bench/results/concurrency_vllm/table/), then
+#      K=0, 1, 3 and vLLM serving that table (arm auto) side by side
 #      (bench/results/concurrency_vllm/; needs the vLLM venv, launch/install_vllm_cpu.sh).
 #
 #   bash bench/pipelines/concurrency.sh [reference|vllm|all]
 #
 # Environment: BIN (default .venv/bin), VLLM_PYTHON (default /tmp/fastmtp-ci-vllm-venv/bin/python),
 # LEVELS (default 1,2,4,8,16), LIMIT (prompts per Spec-Bench category, default 1), TOKENS
-# (default 64), REPEATS (default 2).
+# (default 64), REPEATS (default 2), VLLM_LIMIT (default LIMIT).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHAT=${1:-all}
@@ -30,7 +32,11 @@ if [[ $WHAT == reference || $WHAT == all ]]; then
         --label "SmolLM2-135M + shipped head, reference server (continuous batching)"
 fi
 if [[ $WHAT == vllm || $WHAT == all ]]; then
-    PYTHONPATH="$PWD" PYTHON=${VLLM_PYTHON:-/tmp/fastmtp-ci-vllm-venv/bin/python} TARGET="$T" DRAFT="$PWD/$D" \
-        LIMIT="$LIMIT" TOKENS="$TOKENS" REPEATS="$REPEATS" CONCURRENCY="$LEVELS" \
-        bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm 3
+    V=(env PYTHONPATH="$PWD" PYTHON="${VLLM_PYTHON:-/tmp/fastmtp-ci-vllm-venv/bin/python}" TARGET="$T"
+       DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS")
+    # a. vLLM's own K per batch size: its static arms, one repeat, the table written from them
+    "${V[@]}" REPEATS=1 EMIT=1 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
+    # b. the run: K=0, 1, 3 and vLLM serving that table (arm auto), side by side
+    "${V[@]}" REPEATS="$REPEATS" AUTO_TABLE=bench/results/concurrency_vllm/table/vllm_k_per_batch_size.json \
+        bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm 1,3
 fi

@@ -391,18 +391,22 @@ def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True,
     return curve
 
 
-def servers_by_k(server_urls: list[str]) -> tuple[dict[int, str], dict[int, str]]:
+def servers_by_k(server_urls: list[str]) -> tuple[dict[int | str, str], dict[int | str, str]]:
     """Ask each server which K it runs (``/server_info``): ({K: url}, {K: draft path or "none"}).
-    Two servers that report the same K are an error."""
+    A server that picks K itself (``speculative_adaptive``: SGLang's --speculative-adaptive, the
+    reference engine's --steps auto, vLLM with a K-per-batch-size table behind our adapter) is
+    keyed ``"auto"``. Two servers that report the same K are an error."""
     from fastmtp_sglang.serving.client import server_info
 
-    urls: dict[int, str] = {}
-    drafts: dict[int, str] = {}
+    urls: dict[int | str, str] = {}
+    drafts: dict[int | str, str] = {}
     for u in server_urls:
         info = server_info(u)
-        k = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
+        k: int | str = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
         if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
             k = 0
+        if k and info.get("speculative_adaptive"):
+            k = "auto"
         if k in urls:
             raise FastMTPError(f"two servers report K={k}: {urls[k]} and {u}")
         urls[k] = u

@@ -67,16 +67,16 @@ def run(args: argparse.Namespace) -> int:
         urls, drafts = servers_by_k(args.url)
         missing = [k for k in cfg.steps if k not in urls]
         if missing:
-            raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
+            raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls, key=str)}; start "
                                "one server per K (K=0 is a server without speculation)")
         if not args.target:
             raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
         tok = AutoTokenizer.from_pretrained(args.target)
         prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
         samples = run_urls(urls, [(i, c, t) for i, c, t, _ in prompts], cfg, not args.no_progress)
-        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items()))
+        meta.update(engine="servers: " + ", ".join(f"K={k} {u}" for k, u in sorted(urls.items(), key=str))
                     + " (servers report no draft/verify time split)",
-                    draft=args.draft or "; ".join(f"K={k}: {d}" for k, d in sorted(drafts.items()) if k))
+                    draft=args.draft or "; ".join(f"K={k}: {d}" for k, d in sorted(drafts.items(), key=str) if k))
     else:
         target, head, prompts, vocab = load_in_process(args, cfg)
         samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
@@ -123,9 +123,10 @@ def config_from_args(args: argparse.Namespace):
 
     try:
         steps, auto = parse_steps_auto(args.steps, args.auto_max_steps)
-        if auto and args.url:
-            raise FastMTPError("--steps auto runs in-process (the reference engine picks K per "
-                               "cycle): drop --url, or use fastmtp serve --engine sglang --steps auto")
+        if auto and args.url and not args.concurrency:
+            raise FastMTPError("--steps auto with --url is a server that picks K itself, benched "
+                               "under load: add --concurrency (or drop --url: the reference "
+                               "engine in-process)")
         return BenchConfig(steps, args.max_new_tokens, args.temperature,
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,

@@ -67,17 +67,19 @@ def _servers(args: argparse.Namespace, cfg):
     if not args.target:
         raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
     urls, _ = servers_by_k(args.url)
-    missing = [k for k in cfg.steps if k not in urls]
+    arms: list[int | str] = list(cfg.steps) + (["auto"] if cfg.auto_steps else [])
+    missing = [k for k in arms if k not in urls]
     if missing:
-        raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls)}; start "
-                           "one server per K (K=0 is a server without speculation)")
+        raise FastMTPError(f"no server for K={missing}: servers report K={sorted(urls, key=str)}; "
+                           "start one server per K (K=0 is a server without speculation; auto: "
+                           "one that picks K itself, e.g. fastmtp serve --steps auto)")
     tok = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompt_ids(tok, args.prompts, args.limit_per_category, args.category, not args.raw)
     from fastmtp_sglang.benchmark.concurrency import closed_loop_openai
     from fastmtp_sglang.serving.client import server_info
 
     runners, parts = {}, []
-    for k in cfg.steps:
+    for k in arms:
         info = server_info(urls[k])
         if info.get("engine") == "vllm" and info.get("vllm_url"):  # our adapter: load vLLM itself
             v = info["vllm_url"]
@@ -152,7 +154,10 @@ def _engine_config(table: dict, cfg, out: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"best_k_by_batch": {str(b): k for b, k in best.items()}}
     if kmax >= 1:
         res["sglang_args"] = ec.sglang_adaptive_args(best, kmax, out / "sglang_adaptive.json")
-        res["vllm_num_speculative_tokens_per_batch_size"] = ec.vllm_k_per_batch_size(best, kmax)
+        ranges = ec.vllm_k_per_batch_size(best, kmax)
+        res["vllm_num_speculative_tokens_per_batch_size"] = ranges
+        ec.write_vllm_table(ranges, out / "vllm_k_per_batch_size.json")
+        res["vllm_table"] = str(out / "vllm_k_per_batch_size.json")
     return res
 
 
@@ -162,5 +167,6 @@ def _engine_config_md(ec: dict[str, Any]) -> str:
     if "sglang_args" in ec:
         lines.append(f"- SGLang 0.5.23: `{' '.join(map(str, ec['sglang_args']))}`")
         lines.append("- vLLM 0.32 speculative_config: `\"num_speculative_tokens_per_batch_size\": "
-                     f"{json.dumps(ec['vllm_num_speculative_tokens_per_batch_size'])}`")
+                     f"{json.dumps(ec['vllm_num_speculative_tokens_per_batch_size'])}` "
+                     f"(`fastmtp serve --engine vllm --steps auto --adaptive-config {ec['vllm_table']}`)")
     return "\n".join(lines) + "\n"

@@ -112,6 +112,31 @@ def sglang_auto_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def vllm_auto_table(args: argparse.Namespace):
+    """``--steps auto`` on vLLM: its ``num_speculative_tokens_per_batch_size`` (K per number of
+    running requests, vLLM 0.32) from an ``--adaptive-config`` file that ``fastmtp bench
+    --concurrency ... --emit-engine-config`` wrote (``vllm_k_per_batch_size.json``); K is the
+    table's largest. vLLM has no adaptive tiers of its own, so the file is required. Returns the
+    ranges, or None without ``--steps auto``."""
+    if not args.auto:
+        if args.adaptive_config:
+            raise FastMTPError("--adaptive-config goes with --steps auto")
+        return None
+    if not args.adaptive_config:
+        raise FastMTPError("--steps auto on vLLM needs --adaptive-config FILE: vLLM's K per batch "
+                           "size, measured on this machine by `fastmtp bench --concurrency ... "
+                           "--emit-engine-config` (vllm_k_per_batch_size.json in its --out)")
+    from fastmtp_sglang.serving.engine_config import read_vllm_table
+
+    try:
+        ranges, args.steps = read_vllm_table(args.adaptive_config)
+    except ValueError as exc:
+        raise FastMTPError(str(exc)) from None
+    print("fastmtp serve: vLLM K per batch size: "
+          + ", ".join(f"{a}-{b}: K={k}" for a, b, k in ranges), flush=True)
+    return ranges
+
+
 def build_reference_server(args: argparse.Namespace):
     """Check the flags, then load target + head, check they fit, and build (not start) the
     ReferenceServer (fastmtp_sglang.serving.reference)."""
@@ -245,14 +270,13 @@ def _run(args: argparse.Namespace) -> int:
         default_draft(args)
     if engine == "sglang":
         return run_sglang(args, extra + sglang_auto_args(args))
-    if engine == "vllm" and args.auto:
-        raise FastMTPError("--steps auto is not passed to vLLM: serve --steps K and give vLLM a K "
-                           "per batch size (`fastmtp bench --concurrency ... --emit-engine-config` "
-                           "writes num_speculative_tokens_per_batch_size for --speculative-config)")
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
         from fastmtp_sglang.serving.vllm_launch import run_vllm
 
-        return run_vllm(args, extra)
+        return run_vllm(args, extra, vllm_auto_table(args))
+    if args.adaptive_config:
+        raise FastMTPError("--adaptive-config is SGLang's or vLLM's K-per-batch-size table: the "
+                           "reference engine measures its own costs (drop it)")
     return run_reference(args, extra)
 
 
@@ -273,7 +297,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="K, tokens drafted per verification (default 3 with a draft, 0 without); "
                         "0 = plain decoding; auto = K chosen per cycle (reference engine: from "
                         "this machine's costs measured at start, per batch size; SGLang: its "
-                        "--speculative-adaptive)")
+                        "--speculative-adaptive; vLLM: a measured table, --adaptive-config)")
     p.add_argument("--auto-max-steps", type=int, default=None,
                    help="--steps auto: the largest K (default 4 on the reference engine; on "
                         "SGLang the K it starts at, default 3, one of its tiers' candidates)")
@@ -281,8 +305,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--steps auto on the reference engine: the head and prompt lookup per "
                         "request and cycle (hybrid, default), or the head alone")
     p.add_argument("--adaptive-config", default=None,
-                   help="--steps auto on SGLang: a --speculative-adaptive-config JSON file (for "
-                        "example from fastmtp bench --concurrency --emit-engine-config)")
+                   help="--steps auto on SGLang: a --speculative-adaptive-config JSON file; on "
+                        "vLLM (required): a K-per-batch-size table; fastmtp bench --concurrency "
+                        "--emit-engine-config writes both (sglang_adaptive.json, "
+                        "vllm_k_per_batch_size.json)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000,
                    help="port (default 30000, SGLang's); reference engine: 0 = any free port")

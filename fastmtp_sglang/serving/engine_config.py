@@ -88,10 +88,13 @@ from typing import Any
 __all__ = [
     "SGLANG_SPEC_RUNNING_REQUESTS_CAP",
     "VLLM_DEFAULT_MAX_BATCH",
+    "VLLM_TABLE_KEY",
     "best_k_by_batch",
+    "read_vllm_table",
     "sglang_adaptive_args",
     "sglang_adaptive_config",
     "vllm_k_per_batch_size",
+    "write_vllm_table",
 ]
 
 # SGLang 0.5.23 sets --max-running-requests to this under EAGLE speculation when it is unset
@@ -311,3 +314,56 @@ def vllm_k_per_batch_size(best: dict[int, int], num_speculative_tokens: int,
         else:
             ranges.append((start, end, k))
     return ranges
+
+
+VLLM_TABLE_KEY = "num_speculative_tokens_per_batch_size"
+
+
+def write_vllm_table(ranges: list[tuple[int, int, int]], path: str | os.PathLike) -> Path:
+    """Write ``{"num_speculative_tokens": K, VLLM_TABLE_KEY: ranges}`` (K = the table's largest,
+    at least 1: vLLM builds the lookup only with a draft) for ``fastmtp serve --engine vllm
+    --steps auto --adaptive-config PATH``; written beside and renamed."""
+    target = Path(path).expanduser().resolve()
+    body = {"num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
+            VLLM_TABLE_KEY: [list(r) for r in ranges]}
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    tmp.replace(target)
+    return target
+
+
+def read_vllm_table(path: str | os.PathLike) -> tuple[list[tuple[int, int, int]], int]:
+    """(ranges, K) from a file :func:`write_vllm_table` wrote (or a bare list of ranges), checked
+    the way vLLM 0.32's scheduler checks them (``validate_and_normalize_dynamic_sd_schedule``):
+    3-int entries, positive bounds, start <= end, K >= 0, sorted, non-overlapping, the first
+    starting at 1. K is ``num_speculative_tokens`` (default: the largest K, at least 1).
+
+    Raises ValueError naming the file and what is wrong."""
+    p = Path(path)
+    try:
+        body = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{p}: cannot read a K-per-batch-size table ({exc}); write one with "
+                         "fastmtp bench --concurrency ... --emit-engine-config") from None
+    ranges = body.get(VLLM_TABLE_KEY) if isinstance(body, dict) else body
+    if not isinstance(ranges, list) or not ranges:
+        raise ValueError(f"{p}: expected a non-empty list under {VLLM_TABLE_KEY!r} "
+                         "([[start, end, K], ...], the first starting at 1)")
+    out: list[tuple[int, int, int]] = []
+    for e in ranges:
+        if not (isinstance(e, list) and len(e) == 3 and all(_is_int(x) for x in e)):
+            raise ValueError(f"{p}: entry {e!r} is not [start, end, K] (three ints)")
+        s, t, k = e
+        if s < 1 or t < s or k < 0:
+            raise ValueError(f"{p}: entry {e!r}: needs 1 <= start <= end and K >= 0")
+        if out and s <= out[-1][1]:
+            raise ValueError(f"{p}: entry {e!r} overlaps or precedes {list(out[-1])}: sort the ranges")
+        out.append((s, t, k))
+    if out[0][0] != 1:
+        raise ValueError(f"{p}: the first range starts at {out[0][0]}; vLLM needs it to start at 1")
+    kmax = body.get("num_speculative_tokens") if isinstance(body, dict) else None
+    if kmax is None:
+        kmax = max(1, max(k for _, _, k in out))
+    if not _is_int(kmax) or kmax < 1:
+        raise ValueError(f"{p}: num_speculative_tokens must be an int >= 1, got {kmax!r}")
+    return out, kmax

@@ -60,12 +60,18 @@ _KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
              "--device-memory-utilization", "--num-gpu-blocks-override")
 
 
-def speculative_config(draft: str | os.PathLike, steps: int) -> dict:
-    """vLLM's ``speculative_config`` for a FastMTP draft directory run K times (one chain)."""
+def speculative_config(draft: str | os.PathLike, steps: int,
+                       k_per_batch_size: list[tuple[int, int, int]] | None = None) -> dict:
+    """vLLM's ``speculative_config`` for a FastMTP draft directory run K times (one chain), and
+    optionally K per number of running requests (``num_speculative_tokens_per_batch_size``:
+    ``[(start, end, K), ...]``, each K capped at ``steps`` by vLLM)."""
     if steps < 1:
         raise FastMTPError(f"a speculative config needs K >= 1, got {steps}")
     read_fastmtp_config(draft)
-    return {"method": SPEC_METHOD, "model": local_or_id(draft), "num_speculative_tokens": steps}
+    out = {"method": SPEC_METHOD, "model": local_or_id(draft), "num_speculative_tokens": steps}
+    if k_per_batch_size:
+        out["num_speculative_tokens_per_batch_size"] = [list(r) for r in k_per_batch_size]
+    return out
 
 
 def vocab_env(vocab: str | None) -> str | None:
@@ -97,6 +103,7 @@ def build_vllm_command(
     dtype: str | None = None,
     vocab: str | None = None,
     kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+    k_per_batch_size: list[tuple[int, int, int]] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment additions that launch vLLM's server with a FastMTP draft.
 
@@ -111,6 +118,8 @@ def build_vllm_command(
     vocab : one global draft vocabulary table, or None / ``full`` (see :func:`vocab_env`)
     kv_cache_bytes : ``--kv-cache-memory-bytes`` when extra_args size no KV cache; None: vLLM's
         default (a fraction of all memory)
+    k_per_batch_size : vLLM's K per number of running requests (``fastmtp serve --steps auto
+        --adaptive-config``; serving.engine_config.read_vllm_table), None: K at every size
 
     Returns
     -------
@@ -131,15 +140,16 @@ def build_vllm_command(
     env: dict[str, str] = {}
     if steps > 0:
         require_draft(draft)
-        argv += ["--speculative-config", json.dumps(speculative_config(draft, steps))]
+        argv += ["--speculative-config", json.dumps(speculative_config(draft, steps, k_per_batch_size))]
         v = vocab_env(vocab)
         if v is not None:
             env[VOCAB_ENV] = v
     return argv + extra, env
 
 
-def run_vllm(args, extra: list[str]) -> int:
-    """``fastmtp serve --engine vllm``: print the command, then exec vLLM's server."""
+def run_vllm(args, extra: list[str], k_per_batch_size=None) -> int:
+    """``fastmtp serve --engine vllm``: print the command, then exec vLLM's server
+    (``k_per_batch_size``: see :func:`build_vllm_command`)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:  # fail here, with the hint, not in vLLM's CLI
@@ -149,7 +159,8 @@ def run_vllm(args, extra: list[str]) -> int:
         _check_fits(args.target, args.draft, getattr(args, "allow_base_mismatch", False))
     dtype = getattr(args, "dtype", None)
     cmd, env = build_vllm_command(args.target, args.draft, args.steps, args.port, args.host,
-                                  extra, dtype=dtype, vocab=getattr(args, "vocab", None))
+                                  extra, dtype=dtype, vocab=getattr(args, "vocab", None),
+                                  k_per_batch_size=k_per_batch_size)
     print_command(cmd, env, "vLLM", args.host, args.port,
                   " (OpenAI API; `fastmtp bench --url` needs the SGLang-API adapter, "
                   "docs/vllm_backend.md)")

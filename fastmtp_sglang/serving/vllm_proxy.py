@@ -87,9 +87,12 @@ class VLLMAdapter:
     """Translate one SGLang ``/generate`` request into vLLM ``/v1/completions`` (+ /metrics)."""
 
     def __init__(self, vllm_url: str, steps: int, model: str | None = None,
-                 draft: str | None = None):
+                 draft: str | None = None, adaptive: bool = False):
         self.url = vllm_url.rstrip("/")
         self.steps = steps
+        # the server runs a K per batch size (num_speculative_tokens_per_batch_size) up to steps:
+        # reported as SGLang reports --speculative-adaptive, so `fastmtp bench` names it "auto"
+        self.adaptive = adaptive
         self.model = model
         self.draft = draft  # reported in /server_info only (vLLM does not expose it)
         self.lock = threading.Lock()
@@ -141,6 +144,7 @@ class VLLMAdapter:
         info: dict[str, Any] = {"engine": "vllm", "vllm_url": self.url, "steps": self.steps,
                                 "speculative_num_steps": self.steps,
                                 "speculative_algorithm": "EAGLE" if self.steps else None,
+                                "speculative_adaptive": self.adaptive,
                                 "model_path": self.model_name()}
         if self.steps and self.draft:
             info["speculative_draft_model_path"] = self.draft
