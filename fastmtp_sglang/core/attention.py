@@ -22,12 +22,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     q [B, n_heads, S, D]; k, v [B, n_kv, T, D]; mask bool or additive, broadcastable to
     [B, 1, S, T], or None. Returns [B, n_heads, S, D].
 
-    Why: PyTorch's CPU kernel with ``enable_gqa=True`` and a mask was 5-12x slower in bf16 on a
-    CPU with avx512_bf16 and no AMX (AMD EPYC; 16 rows x 311-800 slots, one query each: 2.2-6.2
-    ms per layer against 0.44-1.3 ms folded, ``bench/attention_probe.py``), which made a plain
-    decoding step at 16 rows slower than a verify of 2 tokens. The same maths: per query row
-    the same scores and the same sum, but a kernel blocks rows differently, so outputs may
-    differ from the GQA call in the last bit (fp32: ~2e-7). Causal attention without a mask (a
+    Why: PyTorch's CPU kernel with ``enable_gqa=True`` and a mask is slow in bf16 on a CPU with
+    avx512_bf16 and no AMX (AMD EPYC, ``bench/results/attention_probe/``): one query per row
+    took 262 us per layer at 1 row and 311 slots (52 folded), 2.2-6.1 ms at 16 rows and 311-800
+    slots (0.35-0.83 folded), which made a plain decoding step at 16 rows (84 ms) slower than a
+    verify of 2 tokens (60 ms); several queries per row gain 1.1-1.8x. In fp32 folding gains up
+    to 1.4x from 4 rows and costs ~5 us per layer at 1 row. The same maths: per query row the
+    same scores and the same sum, but a kernel blocks rows differently, so outputs may differ
+    from the GQA call in the last bit (fp32: up to 2.5e-7). Causal attention without a mask (a
     prefill) keeps the GQA call: folding would need the mask built."""
     nh, nkv = q.shape[1], k.shape[1]
     if nh == nkv or (causal and mask is None):
@@ -36,8 +38,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     B, _, S, D = q.shape
     rep = nh // nkv
     qg = q.reshape(B, nkv, rep * S, D)
-    if mask is not None and S > 1 and mask.shape[-2] > 1:
-        mask = mask.repeat(1, 1, rep, 1) if mask.shape[1] == 1 else (
-            mask.reshape(B, nkv, rep * S, mask.shape[-1]))
+    if mask is not None and mask.dim() == 4 and mask.shape[1] == nh:  # a mask per query head
+        mask = mask.expand(B, nh, S, mask.shape[-1]).reshape(B, nkv, rep * S, mask.shape[-1])
+    elif mask is not None and S > 1 and mask.shape[-2] > 1:  # per query: once per folded head
+        mask = mask.repeat(1, 1, rep, 1)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.view(B, nh, S, D)
