@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -157,15 +157,9 @@ class SlotGenerator:
             k = k * cos + _rotate_half(k) * sin
             write(li, k, v)
             kk, vv = read(li)
-            if s == 1 and self.n_kv != self.n_heads:
-                # decode: the query heads that share a key/value head become that head's query
-                # rows, so attention reads each cached key once with no GQA expansion
-                qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=self.scaling)
-                o = o.reshape(b, self.n_heads, 1, self.head_dim)
-            else:
-                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=self.scaling,
-                                                   enable_gqa=self.n_kv != self.n_heads)
+            # the query heads that share a key/value head become that head's query rows, so
+            # attention reads each cached key once with no GQA expansion (core/attention.py)
+            o = grouped_attention(q, kk, vv, mask, self.scaling)
             x = x + att.o_proj(o.transpose(1, 2).reshape(b, s, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.inner.norm(x)
