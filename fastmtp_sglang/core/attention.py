@@ -25,8 +25,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     Why: PyTorch's CPU kernel with ``enable_gqa=True`` and a mask is slow in bf16 on a CPU with
     avx512_bf16 and no AMX (AMD EPYC, ``bench/results/attention_probe/``): one query per row
     took 262 us per layer at 1 row and 311 slots (52 folded), 2.2-6.1 ms at 16 rows and 311-800
-    slots (0.35-0.83 folded), which made a plain decoding step at 16 rows (84 ms) slower than a
-    verify of 2 tokens (60 ms); several queries per row gain 1.1-1.8x. In fp32 folding gains up
+    slots (0.35-0.83 folded), which made a plain decoding step at 16 rows (84 ms, a throwaway
+    probe) slower than a verify of 2 tokens (60 ms); several queries per row gain 1.1-1.8x. In fp32 folding gains up
     to 1.4x from 4 rows and costs ~5 us per layer at 1 row. The same maths: per query row the
     same scores and the same sum, but a kernel blocks rows differently, so outputs may differ
     from the GQA call in the last bit (fp32: up to 2.5e-7). Causal attention without a mask (a

@@ -462,6 +462,8 @@ class ReferenceEngine:
         is then copied into the batch's (nothing was written there for these rows). A group's
         shorter prompts repeat their last position up to the longest: the head writes the same
         key there again and gives the same output."""
+        if self.auto is None:  # (only auto defers prompts: nothing to scan in the cycle's hot path)
+            return
         rows = [r for r in b.rows if r.head_prompt is not None]
         if not rows:
             return

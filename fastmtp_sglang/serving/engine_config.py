@@ -319,12 +319,18 @@ def vllm_k_per_batch_size(best: dict[int, int], num_speculative_tokens: int,
 VLLM_TABLE_KEY = "num_speculative_tokens_per_batch_size"
 
 
+def _table_k(ranges) -> int:
+    """num_speculative_tokens for a table: its largest K, at least 1 (vLLM builds the lookup
+    only with a draft)."""
+    return max(1, max(k for _, _, k in ranges))
+
+
 def write_vllm_table(ranges: list[tuple[int, int, int]], path: str | os.PathLike) -> Path:
     """Write ``{"num_speculative_tokens": K, VLLM_TABLE_KEY: ranges}`` (K = the table's largest,
     at least 1: vLLM builds the lookup only with a draft) for ``fastmtp serve --engine vllm
     --steps auto --adaptive-config PATH``; written beside and renamed."""
     target = Path(path).expanduser().resolve()
-    body = {"num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
+    body = {"num_speculative_tokens": _table_k(ranges),
             VLLM_TABLE_KEY: [list(r) for r in ranges]}
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
@@ -363,7 +369,7 @@ def read_vllm_table(path: str | os.PathLike) -> tuple[list[tuple[int, int, int]]
         raise ValueError(f"{p}: the first range starts at {out[0][0]}; vLLM needs it to start at 1")
     kmax = body.get("num_speculative_tokens") if isinstance(body, dict) else None
     if kmax is None:
-        kmax = max(1, max(k for _, _, k in out))
+        kmax = _table_k(out)
     if not _is_int(kmax) or kmax < 1:
         raise ValueError(f"{p}: num_speculative_tokens must be an int >= 1, got {kmax!r}")
     return out, kmax
