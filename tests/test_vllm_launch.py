@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.serving.vllm_launch import DEFAULT_KV_CACHE_BYTES, build_vllm_command, vocab_env
+from fastmtp_sglang.serving.vllm_launch import DEFAULT_KV_CACHE_BYTES, build_vllm_command, cpu_preload, vocab_env
 
 SHIPPED = str(Path(__file__).resolve().parents[1] / "fastmtp_sglang" / "data" / "heads"
               / "smollm2-135m-fastmtp-k3")
@@ -72,3 +72,18 @@ def test_vocab_one_global_table_or_refusal():
             vocab_env(per_request)
     with pytest.raises(FastMTPError, match="needs a draft"):
         build_vllm_command("/m", None, 0, 8000, "h", vocab="builtin:smollm2/en-16384")
+
+
+def test_cpu_build_preloads_intel_openmp_unless_ld_preload_is_set(tmp_path):
+    (tmp_path / "lib").mkdir()
+    lib = tmp_path / "lib" / "libiomp5.so"
+    lib.write_bytes(b"\x7fELF")
+    linux = dict(machine="x86_64", system="linux")
+    assert cpu_preload({}, tmp_path, True, **linux) == {"LD_PRELOAD": str(lib)}
+    assert cpu_preload({"LD_PRELOAD": ""}, tmp_path, True, **linux) == {}  # the user's, even empty
+    assert cpu_preload({"LD_PRELOAD": "/x/libtcmalloc.so"}, tmp_path, True, **linux) == {}
+    assert cpu_preload({}, tmp_path, False, **linux) == {}  # a GPU build: nothing
+    assert cpu_preload({}, tmp_path, True, machine="aarch64", system="linux") == {}
+    assert cpu_preload({}, tmp_path, True, machine="x86_64", system="darwin") == {}
+    lib.unlink()
+    assert cpu_preload({}, tmp_path, True, **linux) == {}  # no runtime to preload
