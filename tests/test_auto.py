@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fastmtp_sglang.decode.engine as engine_mod
 from fastmtp_sglang.decode.auto import AutoK, StepCosts, expected_tokens
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.ngram import NgramDrafter
@@ -402,3 +403,67 @@ def test_no_probes_where_the_batch_leaves_drafting_no_room():
     auto.shared["lookup4"] = [0.95] * 3  # a source that could pay at 16 reopens the room
     auto._seen["lookup4"] = 1
     assert auto.room(16)
+
+
+def _forced_hybrid(eng, plan, prompts, ref):
+    """Replace auto's choice by ``plan``: per cycle "head" (every row drafts with the head),
+    "lookup" (every row takes a 3-token proposal whose first 0-3 tokens are the target's own
+    continuation, varying by row and cycle, so rows accept different counts; any proposal is
+    verified, so output stays the target's) or 0 (K=0)."""
+    steps = iter(plan)
+    cycle = [0]
+
+    def choose(b):
+        what = next(steps, "head")
+        cycle[0] += 1
+        b.plan = []
+        for r in b.rows:
+            r.est_lookup.setdefault(1, eng.auto.new_estimate("lookup1"))
+            i = prompts.index(list(r.req.input_ids))
+            true = (ref[i] + [0] * 4)[len(r.out):len(r.out) + 3]
+            right = (cycle[0] + i) % 4
+            b.plan.append((what == "lookup", 1, true[:right] + [(x + 1) % V for x in true[right:]]))
+        return 0 if what == 0 else 3
+    eng._choose = choose
+
+
+def test_cycles_without_the_head_defer_its_extend_and_it_catches_up_exactly(llama, monkeypatch):
+    """Cycles where every row took prompt lookup (as K=0 cycles) leave the head's extend for its
+    next drafting cycle: no head forward runs in them, and the head's drafts after the catch-up
+    are the drafts of an engine that extended the head at every cycle (live attention, rows
+    accepting different counts), also where a lookup cycle that would overflow DEFER_MAX catches
+    the head up at once. Output stays the target's."""
+    t, head, _ = llama
+    prompts = [PROMPTS[0], PROMPTS[1] + PROMPTS[1], REPEATS[0]]
+    ref = [greedy_reference(t, p, 20) for p in prompts]
+    plan = ["head", "lookup", "lookup", 0, "lookup", "head", "lookup", 0, 0, "head"] * 3
+    runs = []
+    for mode in ("defer", "eager", "overflow"):
+        # overflow: 9 positions; the pattern's lookup cycles (4 positions each) then overflow
+        # before any K=0 position would be forgotten, so the drafts are still the eager ones
+        monkeypatch.setattr(engine_mod, "DEFER_MAX", 9 if mode == "overflow" else 128)
+        eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
+                              auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
+        _forced_hybrid(eng, plan, prompts, ref)
+        if mode == "eager":
+            eng._head_idle = lambda b, drafted: drafted == 0  # lookup cycles extend at once
+        drafts, heads, real = [], [0], eng._head
+        spy = eng._draft_head
+
+        def draft_head(b, K, spy=spy, drafts=drafts):
+            d, q = spy(b, K)
+            drafts.append(d.tolist())
+            return d, q
+
+        def count(*a, real=real, heads=heads):
+            heads[0] += 1
+            return real(*a)
+        eng._draft_head, eng._head = draft_head, count
+        res = eng.generate([Request(p, SamplingParams(max_new_tokens=20)) for p in prompts])
+        assert [r.output_ids for r in res] == ref
+        looked = {c.accepted for r in res for c in r.metrics.cycles if c.source == "lookup"}
+        assert {0, 1, 2} <= looked  # rows accepted different counts in cycles without the head
+        runs.append((drafts, heads[0]))
+    (deferred, n_def), (eager, n_eager), (over, n_over) = runs
+    assert deferred == eager == over and len(deferred) >= 3
+    assert n_def < n_over < n_eager  # lookup cycles ran no head forward of their own

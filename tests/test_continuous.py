@@ -285,8 +285,9 @@ def test_rows_at_k0_never_run_the_head_until_they_draft(live_world):
 
 
 def test_deferred_extends_are_bounded_and_the_output_is_unchanged(live_world, monkeypatch):
-    """A batch that stays at K=0 keeps at most DEFER_MAX deferred extends (the oldest are
-    forgotten: the head drafts worse, the output is the target's)."""
+    """A batch that stays at K=0 keeps at most DEFER_MAX positions of deferred extends (the
+    oldest are forgotten: the head drafts worse, the output is the target's), in at most
+    DEFER_PARTS parts."""
     t, head = live_world
     monkeypatch.setattr(engine_mod, "DEFER_MAX", 3)
     eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
@@ -294,9 +295,10 @@ def test_deferred_extends_are_bounded_and_the_output_is_unchanged(live_world, mo
     eng._choose = lambda b: next(plan)
     req = Request(list(PROMPTS[0]), SamplingParams(max_new_tokens=20))
     b = eng.start([req], [0])
-    for _ in range(8):
+    monkeypatch.setattr(type(b), "DEFER_PARTS", 2)
+    for i in range(8):
         eng.step(b)
-        assert len(b.deferred) <= 3
+        assert b.deferred_positions() == min(i + 1, 3) and len(b.deferred) <= 2
     done = {}
     while len(b):
         done.update((k, r.output_ids) for k, r in eng.step(b))

@@ -266,7 +266,8 @@ def test_cache_select_keeps_rows():
 
 def test_cache_holds_what_was_written_and_grows():
     """The buffers grow with the positions written (not max_len up front); caches of different
-    capacities concatenate (a join), and every row still equals its no-cache forward."""
+    capacities join (into free rows of the first one's buffers), a row leaves by moving another
+    into its place, and every row still equals its no-cache forward."""
     head, _, _ = build("mimo", "llama")
     hidden, ids, positions = inputs(b=2, s=12, start=(0,))
     with torch.no_grad():
@@ -282,13 +283,21 @@ def test_cache_holds_what_was_written_and_grows():
         assert 9 <= b.capacity < a.GROW + 1
         # row 0 catches up to position 8, then both rows run on as one batch
         head(hidden[:1, 3:9], ids[:1, 3:9], positions[:1, 3:9], a)
-        both = head.new_cache(2, 8192)
-        both.k, both.v = a.concat(b)
-        assert both.capacity == max(a.capacity, b.capacity)
-        last, _ = head(hidden[:, 9:], ids[:, 9:], positions[:, 9:], both)
+        cap_b = b.capacity
+        a.prepare_append(b, rows=4)  # free rows for later joins
+        assert a.k.shape[0] == 1 and a._k.shape[0] == 4  # (nothing of the batch changed yet)
+        a.append_rows(b)
+        assert a.k.shape[0] == 2 and a.capacity >= cap_b and a._k.shape[0] == 4
+        last, _ = head(hidden[:, 9:11], ids[:, 9:11], positions[:, 9:11], a)
+        # row 0 leaves: row 1 moves into its place, in the same buffers
+        buf = a._k.data_ptr()
+        a.move_rows([0], [1], 1)
+        assert a.k.shape[0] == 1 and a._k.data_ptr() == buf
+        alone, _ = head(hidden[1:, 11:], ids[1:, 11:], positions[1:, 11:], a)
         with pytest.raises(IndexError, match="beyond the head cache"):
             head.new_cache(1, 4).reserve(5)
-    torch.testing.assert_close(last, full[:, 9:], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(last, full[:, 9:11], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(alone, full[1:, 11:], atol=2e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -196,27 +196,48 @@ class HeadKVCache:
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 0):
         shape = (batch_size, num_kv_heads, min(capacity, max_len), head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, capacity, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [B, n_kv, capacity, D]
+        # the buffers may hold more rows than the batch (free rows that joins write into, as the
+        # target's SlotCache does): the batch is the first ``_b`` rows
+        self._k = torch.zeros(shape, dtype=dtype, device=device)  # [R, n_kv, capacity, D]
+        self._v = torch.zeros(shape, dtype=dtype, device=device)  # [R, n_kv, capacity, D]
+        self._b = batch_size
         self.max_len = max_len
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The batch's keys [B, n_kv, capacity, D] (a view: writes go to the cache)."""
+        return self._k[: self._b]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[: self._b]
 
     @property
     def capacity(self) -> int:
         """Positions the buffers hold now (0 <= capacity <= max_len)."""
-        return self.k.shape[2]
+        return self._k.shape[2]
 
-    def reserve(self, need: int) -> None:
-        """Room for positions [0, need) (zeros past what was written, which nothing reads)."""
-        if need <= self.capacity:
+    def reserve(self, need: int, rows: int = 0) -> None:
+        """Room for positions [0, need) (zeros past what was written, which nothing reads), and
+        for ``rows`` rows in all (growing keeps the batch's rows; free rows are zeros)."""
+        R = self._k.shape[0]
+        if need <= self.capacity and rows <= R:
             return
         if need > self.max_len:
             raise IndexError(f"position {need - 1} is beyond the head cache's {self.max_len} positions")
-        cap = min(self.max_len, max(need, 2 * self.capacity, self.GROW))
-        self.k, self.v = _pad_positions(self.k, cap), _pad_positions(self.v, cap)
+        cap = self.capacity if need <= self.capacity else \
+            min(self.max_len, max(need, 2 * self.capacity, self.GROW))
+        R2, b = max(R, rows), self._b
+
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(R2, x.shape[1], cap, x.shape[3])
+            out[:b, :, : x.shape[2]] = x[:b]
+            return out
+        self._k, self._v = grow(self._k), grow(self._v)
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """positions [B, S]; k, v [B, n_kv, S, D]."""
-        if self.k.device.type == "cpu" and positions.shape[0] == 1:
+        if self._k.device.type == "cpu" and positions.shape[0] == 1:
             # one row at consecutive positions (every draft step and extend the engine runs):
             # a slice copy instead of a scatter (host reads are free on CPU)
             p0, s = int(positions[0, 0]), positions.shape[1]
@@ -227,29 +248,43 @@ class HeadKVCache:
                 return
         self.reserve(int(positions.max()) + 1)
         idx = positions[:, None, :, None].expand_as(k)
-        self.k.scatter_(2, idx, k.to(self.k.dtype))
-        self.v.scatter_(2, idx, v.to(self.v.dtype))
+        self.k.scatter_(2, idx, k.to(self._k.dtype))
+        self.v.scatter_(2, idx, v.to(self._v.dtype))
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given batch rows (finished requests leave the batch)."""
-        self.k = self.k[rows]
-        self.v = self.v[rows]
+        """Keep only the given batch rows (finished requests leave the batch; a copy)."""
+        self._k, self._v = self.k[rows], self.v[rows]
+        self._b = self._k.shape[0]
 
-    def concat(self, other: "HeadKVCache") -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of this cache's rows followed by another's (requests joining a running
-        batch), at the larger of the two capacities; neither cache is changed."""
+    def move_rows(self, dst: list[int], src: list[int], rows: int) -> None:
+        """Row ``dst[i]`` takes row ``src[i]`` (rows leaving are overwritten by rows kept), then
+        the batch is the first ``rows`` rows. Copies only the moved rows (a leave at 16 rows had
+        copied the whole cache)."""
+        if dst:
+            d = torch.tensor(dst, device=self._k.device)
+            s = torch.tensor(src, device=self._k.device)
+            self._k[d] = self._k[s]
+            self._v[d] = self._v[s]
+        self._b = rows
+
+    def prepare_append(self, other: "HeadKVCache", rows: int = 0) -> None:
+        """Room for ``other``'s rows after this batch's (allocates; changes no row of the batch).
+        Rows grow to at least ``rows`` (a hint: the most the batch will hold) when they must."""
         if other.max_len != self.max_len:
             raise ValueError(f"head caches of {self.max_len} and {other.max_len} positions")
-        cap = max(self.capacity, other.capacity)
-        return (torch.cat([_pad_positions(self.k, cap), _pad_positions(other.k, cap)]),
-                torch.cat([_pad_positions(self.v, cap), _pad_positions(other.v, cap)]))
+        need = self._b + other._b
+        self.reserve(max(self.capacity, other.capacity),
+                     need if need <= self._k.shape[0] else max(need, rows))
 
-
-def _pad_positions(x: torch.Tensor, cap: int) -> torch.Tensor:
-    """x [B, n_kv, T, D] with zeros up to ``cap`` positions (x itself when T == cap)."""
-    if x.shape[2] == cap:
-        return x
-    return torch.nn.functional.pad(x, (0, 0, 0, cap - x.shape[2]))
+    def append_rows(self, other: "HeadKVCache") -> None:
+        """Write ``other``'s rows after this batch's (:meth:`prepare_append` first; this one does
+        not allocate). Positions ``other`` never wrote are zeros, like a fresh cache's."""
+        b, m, c = self._b, other._b, other.capacity
+        self._k[b: b + m, :, :c] = other.k
+        self._v[b: b + m, :, :c] = other.v
+        self._k[b: b + m, :, c:].zero_()
+        self._v[b: b + m, :, c:].zero_()
+        self._b = b + m
 
 
 class Attention(nn.Module):

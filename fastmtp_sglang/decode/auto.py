@@ -230,15 +230,18 @@ class AutoK:
         return ms * self.calib.get((k, cls), self.calib.get((0, cls), 1.0))
 
     def _model_ms(self, k: int, batch: int, head_steps: bool, deferred: int) -> float:
-        ms = self.costs.cycle_ms(k, batch)
         if k and not head_steps:
-            ms -= self.costs.draft_ms(k, batch)
+            # drafted without the head (hybrid, every row on prompt lookup): the verify alone;
+            # the head's extend over these positions waits for its next drafting cycle
+            return _at_batch(self.costs, batch, lambda c: c.verify_ms(k + 1))
+        ms = self.costs.cycle_ms(k, batch)
         if k and deferred:
             ms += self.catch_up_ms(deferred, batch)
         return ms
 
     def catch_up_ms(self, deferred: int, batch: int) -> float:
-        """The head's catch-up over ``deferred`` K=0 positions of ``batch`` rows: the curve's
+        """The head's catch-up over ``deferred`` positions of ``batch`` rows (cycles that ran
+        without it: K=0, or prompt lookup for every row): the curve's
         extend of one position plus, per further position, the median of what the catch-ups
         seen at this batch class took beyond it (``observe_catch_up``; the curve alone before
         the first). The curve times extends of 1..K+1 positions, nearly flat (3.2-3.4 ms at 16
@@ -259,7 +262,7 @@ class AutoK:
     def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True,
                       deferred: int = 0) -> None:
         """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend, with the
-        catch-up over ``deferred`` K=0 cycles' positions when it ran one)."""
+        catch-up over ``deferred`` positions of cycles without the head when it ran one)."""
         model = self._model_ms(k, batch, head_steps, deferred)
         if model > 0 and ms > 0 and self.calibrate:
             key = (k, batch_class(batch))
@@ -311,8 +314,9 @@ class AutoK:
         ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
         match length, proposal length) or None without a proposal. At each K a row takes the
         source with more expected tokens (a proposal shorter than K is padded, so its extra
-        positions count as misses); a cycle where no row uses the head costs no draft steps
-        (but still the head's extend, and its catch-up over ``deferred`` K=0 cycles)."""
+        positions count as misses); a cycle where no row uses the head costs its verify alone
+        (the head's extend over its positions joins the catch-up of the next cycle that drafts
+        with the head, over ``deferred`` positions)."""
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
@@ -324,7 +328,8 @@ class AutoK:
                 use.append(take)
                 any_head |= not take
                 total += el if take else eh
-            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred)  # no head steps: no draft cost
+            # without head steps: the verify only (no draft steps, no extend, no catch-up yet)
+            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0)
             if total / ms > best[0]:
                 best = (total / ms, k, use)
         _, k, use = best
@@ -335,7 +340,7 @@ class AutoK:
 
     def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> int:
         """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it,
-        ``deferred`` = how many of them the head has not caught up on."""
+        ``deferred`` = how many positions the head has not caught up on (cycles without it)."""
         k = self.best(ests, deferred)
         if k == 0 and self.probe_due(ests, zero_run, deferred):
             return 1

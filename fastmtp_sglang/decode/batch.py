@@ -65,10 +65,36 @@ class Batch:
         self.cache = self.valid = self.pending = self.pos = None
         self.dcache = self.g = self.tidx = self.extra = None
         self.zero_run = 0    # cycles in a row at K=0 (auto)
+        self.overflowed = False  # this cycle caught the head up at DEFER_MAX (auto, see step)
         self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
         # the head's input at each row's last prompt position (auto): what a row joining a batch
         # with deferred extends repeats in their place (see merge)
         self.tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    DEFER_PARTS = 16  # deferred parts kept apart before they are joined into one
+
+    def defer(self, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keep: int) -> None:
+        """Keep a cycle's head input (vh, ids, pos: [n, w, ...]) for the head's next catch-up;
+        at most ``keep`` positions, forgetting the oldest (the head never sees them: its drafts
+        for those rows get worse, the output is the target's). Parts are joined into one when
+        there are more than DEFER_PARTS: every join and leave of a row touches each part (at 16
+        clients a row comes or goes every few cycles, and 128 one-position parts made that ~400
+        small tensor ops)."""
+        self.deferred.append(part)
+        if len(self.deferred) > self.DEFER_PARTS:  # (a copy every DEFER_PARTS cycles at most)
+            self.deferred = [tuple(torch.cat(x, dim=1) for x in zip(*self.deferred))]
+        extra = self.deferred_positions() - keep
+        while extra > 0:  # drop or cut the oldest part (views: no copy)
+            w = self.deferred[0][1].shape[1]
+            if w <= extra:
+                del self.deferred[0]
+            else:
+                self.deferred[0] = tuple(x[:, extra:] for x in self.deferred[0])
+            extra -= min(w, extra)
+
+    def deferred_positions(self) -> int:
+        """Positions the head's draft extend has not run over yet (auto: cycles without the head)."""
+        return sum(d[1].shape[1] for d in self.deferred)
 
     def _index(self) -> None:
         """Number the rows 0..n-1 and rebuild the per-row sampling tensors."""
@@ -132,16 +158,15 @@ class Batch:
         sel = torch.tensor(order, dtype=torch.long, device=self.engine.device)
         new = {"valid": self.valid[sel], "pending": self.pending[sel], "pos": self.pos[sel]}
         if self.use_head:
-            dk, dv = self.dcache.k[sel], self.dcache.v[sel]
             new.update(g=self.g[sel], deferred=[tuple(x[sel] for x in d) for d in self.deferred])
             if self.tidx is not None:
                 new.update(tidx=self.tidx[sel],
                            extra=self.extra[sel] if self.extra is not None else None)
         self.cache.move_rows(holes, tail, n)
+        if self.use_head:  # (in place, like the target's: only the moved rows are copied)
+            self.dcache.move_rows(holes, tail, n)
         self.tail = None  # (only a freshly prefilled batch joins another)
         # nothing below allocates: the batch changes at once
-        if self.use_head:
-            self.dcache.k, self.dcache.v = dk, dv
         self.__dict__.update(new)
         self.rows = [self.rows[i] for i in order]
         self._index()
@@ -164,9 +189,11 @@ class Batch:
                "pos": torch.cat([self.pos, other.pos]),
                "valid": torch.cat([pad(self.valid), pad(other.valid)])}
         if self.use_head:
-            dk, dv = self.dcache.concat(other.dcache)
+            self.dcache.prepare_append(other.dcache, rows)  # (allocates; changes no row here)
             new["g"] = torch.cat([self.g, other.g])
-            new["deferred"] = [tuple(torch.cat([x, t]) for x, t in zip(d, other.tail))
+            # (a part of a prompt-lookup cycle is several positions wide: the tail repeats)
+            new["deferred"] = [tuple(torch.cat([x, t.expand(-1, x.shape[1], *t.shape[2:])])
+                                     for x, t in zip(d, other.tail))
                                for d in self.deferred]
             if self.tail is not None and other.tail is not None:  # prefill groups merging
                 new["tail"] = tuple(torch.cat([x, t]) for x, t in zip(self.tail, other.tail))
@@ -177,7 +204,7 @@ class Batch:
         self.cache.append(other.cache, rows, slots)
         # nothing below allocates: the batch changes at once
         if self.use_head:
-            self.dcache.k, self.dcache.v = dk, dv
+            self.dcache.append_rows(other.dcache)  # into free rows of its buffers
         self.__dict__.update(new)
         self.rows = self.rows + other.rows
         self._index()

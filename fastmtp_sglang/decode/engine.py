@@ -67,9 +67,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# K=0 cycles whose head extend auto defers at most: a batch that stays at K=0 (under load, where
-# catching up costs more than probing may) would otherwise keep every cycle's hidden states
-DEFER_MAX = 128
+# positions of head extends auto defers at most (cycles without the head): a batch that stays at
+# K=0 (under load, where catching up costs more than probing may) would otherwise keep every
+# cycle's hidden states
+DEFER_MAX = 128  # positions of deferred head extends a batch keeps (the oldest are forgotten)
 PREFILL_CALL_TOKENS = 128  # a forward's fixed cost, in prompt tokens (a plain step ~ 128-token prefill share)
 
 
@@ -238,7 +239,8 @@ class ReferenceEngine:
         # near the context limit a row may verify only what fits (the rest of its drafts are
         # ignored, see _verify), and no cycle drafts more than its roomiest row can use
         room = (self.max_context - 2 - b.pos).clamp(min=0)                           # [n]
-        deferred = len(b.deferred)  # K=0 cycles the head catches up on if this one drafts
+        deferred = b.deferred_positions()  # what the head catches up on if this cycle drafts
+        b.overflowed = False  # set when a cycle without the head had to catch it up (_draft_extend)
         drafts, qs, Kc = self._draft(b, min(self._choose(b), int(room.max())))
         _sync(self.device)
         t_draft = time.perf_counter() - t
@@ -251,7 +253,7 @@ class ReferenceEngine:
         bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
         _sync(self.device)
         t_draft += time.perf_counter() - t
-        if self.auto is not None:  # what this cycle really cost, against the curve
+        if self.auto is not None and not b.overflowed:  # what this cycle cost, against the curve
             head_steps = not (self.hybrid and Kc and all(take for take, _, _ in b.plan))
             self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps,
                                     deferred if Kc else 0)
@@ -318,14 +320,14 @@ class ReferenceEngine:
             return self.steps
         rows = b.rows
         if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run, len(b.deferred))
+            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions())
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
         for r, (toks, m) in zip(rows, props):
             if m and m not in r.est_lookup:
                 r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
             looks.append((r.est_lookup[m], len(toks)) if m else None)
-        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run, len(b.deferred))
+        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run, b.deferred_positions())
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
 
@@ -440,20 +442,36 @@ class ReferenceEngine:
             # (slots past it are overwritten before any query sees them)
             ext_ids = torch.cat([drafts, bonus[:, None]], dim=1)                      # [n, Kc+1]
             ext_ids.scatter_(1, acc[:, None], bonus[:, None])
-            if self.auto is not None and drafts.shape[1] == 0:
-                b.deferred.append((vh, ext_ids, vpos))  # no drafts this cycle: extend later
-                if len(b.deferred) > DEFER_MAX:  # a batch at K=0 for long: forget the oldest
-                    del b.deferred[0]            # (the head never sees them: drafts, not output)
+            Kc = drafts.shape[1]
+            # a prompt-lookup cycle that would fill the deferral catches the head up instead:
+            # forgetting is for long K=0 runs under load, not for rows drafting by lookup
+            if self._head_idle(b, Kc) and not (Kc and b.deferred_positions() + Kc + 1 > DEFER_MAX):
+                # no head drafts this cycle (K=0, or every row took prompt lookup): extend later,
+                # when the head next drafts (_catch_up), in one forward with the other such cycles.
+                # Each row's part ends at its last accepted position: positions past it repeat
+                # that entry (the head writes the same key again and gives the same output), so
+                # every part's last column is every row's end.
+                if Kc:
+                    last = torch.minimum(torch.arange(Kc + 1, device=self.device)[None],
+                                         acc[:, None])                               # [n, Kc+1]
+                    vh = vh.gather(1, last[..., None].expand(-1, -1, vh.shape[-1]))
+                    ext_ids, vpos = ext_ids.gather(1, last), vpos.gather(1, last)
+                b.defer((vh, ext_ids, vpos), DEFER_MAX)
             else:
-                off = 0
-                self._head_prompts(b)  # (a cycle drafted without the head: hybrid)
-                if b.deferred:  # a cycle drafted without the head (hybrid) after K=0 cycles
-                    parts = b.deferred + [(vh, ext_ids, vpos)]
-                    vh, ext_ids, vpos = (torch.cat(x, dim=1) for x in zip(*parts))
-                    off, b.deferred = vh.shape[1] - (drafts.shape[1] + 1), []
+                # (nothing to catch up unless this cycle ran without the head; when it did, the
+                # cycle is not a sample of what a lookup cycle costs: step skips its calibration)
+                b.overflowed = bool(b.deferred) and self._head_idle(b, Kc)
+                self._catch_up(b)
                 ge = self._head(vh, ext_ids, vpos, b.dcache)
-                b.g = ge[torch.arange(n, device=self.device), off + acc]
+                b.g = ge[torch.arange(n, device=self.device), acc]
         return bonus
+
+    def _head_idle(self, b: Batch, drafted: int) -> bool:
+        """auto: did this cycle run without the head (K=0, or hybrid with every row on prompt
+        lookup)? Its draft extend then waits for the head's next drafting cycle."""
+        if self.auto is None:
+            return False
+        return drafted == 0 or (self.hybrid and all(take for take, _, _ in b.plan))
 
     def _head_prompts(self, b: Batch) -> None:
         """auto: the head's draft extend over the prompts of rows that have not needed the head
@@ -489,12 +507,13 @@ class ReferenceEngine:
 
     def _catch_up(self, b: Batch) -> None:
         """Before the head drafts: its extend over the prompts it has not read (_head_prompts),
-        then the draft extend of the cycles that ran at K=0 (auto), in one head forward: each
-        verified one position and accepted nothing, so the last column is every row's end."""
+        then the draft extend of the cycles that ran without it (auto: K=0, or prompt lookup for
+        every row), in one head forward; each part ends at each row's last accepted position
+        (see _draft_extend), so the last column is every row's end."""
         self._head_prompts(b)
         if not b.deferred:
             return
-        t, z = time.perf_counter(), len(b.deferred)
+        t, z = time.perf_counter(), b.deferred_positions()
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
         ge = self._head(vh, ids, pos, b.dcache)
         b.g = ge[:, -1]
