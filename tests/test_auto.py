@@ -422,7 +422,11 @@ def _forced_hybrid(eng, plan, prompts, ref):
             i = prompts.index(list(r.req.input_ids))
             true = (ref[i] + [0] * 4)[len(r.out):len(r.out) + 3]
             right = (cycle[0] + i) % 4
-            b.plan.append((what == "lookup", 1, true[:right] + [(x + 1) % V for x in true[right:]]))
+            toks = true[:right] + [(x + 1) % V for x in true[right:]]
+            if what == "free" and i % 2:  # no proposal: this row verifies nothing
+                b.plan.append((True, 0, []))
+            else:
+                b.plan.append((what in ("lookup", "free"), 1, toks))
         return 0 if what == 0 else 3
     eng._choose = choose
 
@@ -467,3 +471,41 @@ def test_cycles_without_the_head_defer_its_extend_and_it_catches_up_exactly(llam
     (deferred, n_def), (eager, n_eager), (over, n_over) = runs
     assert deferred == eager == over and len(deferred) >= 3
     assert n_def < n_over < n_eager  # lookup cycles ran no head forward of their own
+
+
+def test_a_cycle_without_the_head_leaves_rows_without_a_proposal_undrafted(llama):
+    """Hybrid: when only some rows have a prompt-lookup proposal, a cycle may still skip the head;
+    the rows without one verify nothing (one token, as at K=0) and the output stays the
+    target's, batched with rows accepting lookup drafts."""
+    t, head, _ = llama
+    prompts = [PROMPTS[0], PROMPTS[1] + PROMPTS[1], REPEATS[0]]
+    ref = [greedy_reference(t, p, 20) for p in prompts]
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
+                          auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
+    _forced_hybrid(eng, ["free", "free", "head", "free", 0] * 8, prompts, ref)
+    heads = [0]
+    real = eng._draft_head
+
+    def draft_head(b, K):
+        heads[0] += 1
+        return real(b, K)
+    eng._draft_head = draft_head
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=20)) for p in prompts])
+    assert [r.output_ids for r in res] == ref
+    odd = [c for c in res[1].metrics.cycles]  # row 1: no proposal in "free" cycles
+    assert sum(c.drafted == 0 for c in odd) > sum(c.drafted == 0 for c in res[0].metrics.cycles)
+    assert {c.accepted for c in res[0].metrics.cycles if c.source == "lookup"} >= {0, 1, 2}
+    assert heads[0] <= len(res[0].metrics.cycles) // 2  # "free" cycles ran no head step
+
+
+def test_hybrid_may_go_without_the_head_when_one_row_has_a_good_proposal():
+    """Two rows, one with a long prompt-lookup match (accepted 90%) and one with nothing; a head
+    right 30% of the time whose steps are dear: the best cycle runs no head at all (the second
+    row verifies nothing), where the head for the second row would have cost more than it brings."""
+    costs = StepCosts({1: 16.6, 2: 19.0, 4: 21.0}, draft_step=3.0, extend=2.0)
+    auto = AutoK(costs, 3, calibrate=False)
+    k, use = auto.choose_hybrid([[0.3] * 3, [0.3] * 3], [([0.9] * 3, 3), None], zero_run=0)
+    assert k == 3 and use == [True, True]
+    # with a proposal for neither row nothing changes: the head or K=0
+    k, use = auto.choose_hybrid([[0.3] * 3, [0.3] * 3], [None, None], zero_run=0)
+    assert use == [False, False]

@@ -316,7 +316,9 @@ class AutoK:
         source with more expected tokens (a proposal shorter than K is padded, so its extra
         positions count as misses); a cycle where no row uses the head costs its verify alone
         (the head's extend over its positions joins the catch-up of the next cycle that drafts
-        with the head, over ``deferred`` positions)."""
+        with the head, over ``deferred`` positions). A cycle may also go without the head while
+        some rows have no proposal: those verify nothing (True in the returned list for every
+        row; the engine knows a row without a proposal by its empty one)."""
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
@@ -332,6 +334,15 @@ class AutoK:
             ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0)
             if total / ms > best[0]:
                 best = (total / ms, k, use)
+            if any_head and any(lk and lk[1] for lk in lookups):
+                # or no head at all: rows with a proposal take it, the others verify nothing
+                # this cycle (one token, as at K=0), so the cycle costs its verify alone (as the
+                # prompt-lookup arm's cycles do; at 2 rows the head's share decided against it)
+                free = sum(expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 1.0
+                           for lk in lookups)
+                ms = self.cycle_ms(k, B, head_steps=False)
+                if free / ms > best[0]:
+                    best = (free / ms, k, [True] * B)  # (a row without a proposal: nothing)
         _, k, use = best
         if k == 0 and self.probe_due(heads, zero_run, deferred):
             return 1, [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)

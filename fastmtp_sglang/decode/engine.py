@@ -246,6 +246,10 @@ class ReferenceEngine:
         t_draft = time.perf_counter() - t
         t = time.perf_counter()
         room = room.clamp(max=Kc)                          # drafts each row may accept
+        if self.hybrid and Kc:  # a row with no proposal in a cycle without the head: nothing
+            none = [j for j, (take, _, toks) in enumerate(b.plan) if take and not toks]
+            if none:
+                room[none] = 0
         vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc, room)
         _sync(self.device)
         t_verify = time.perf_counter() - t
@@ -379,8 +383,9 @@ class ReferenceEngine:
         else:
             drafts, qs = self._draft_head(b, K)
         for j, (take, _, toks) in enumerate(b.plan):
-            if take:
-                drafts[j] = torch.tensor((toks + [toks[-1]] * K)[:K], device=self.device)
+            if take:  # (no proposal: this row verifies nothing, see step; any token will do)
+                pad = toks or [int(b.pending[j])]
+                drafts[j] = torch.tensor((pad + [pad[-1]] * K)[:K], device=self.device)
         if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
             V = self.target.lm_head.weight.shape[0]
             if all(lookup):
@@ -532,7 +537,7 @@ class ReferenceEngine:
         b.zero_run = b.zero_run + 1 if Kc == 0 else 0
         for j, r in enumerate(b.rows):
             k = drafted[j]
-            took_lookup = self.hybrid and Kc > 0 and b.plan[j][0]
+            took_lookup = self.hybrid and Kc > 0 and b.plan[j][0] and b.plan[j][1] > 0
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
                                              source="lookup" if took_lookup else ""))
