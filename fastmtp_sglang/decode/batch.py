@@ -65,7 +65,6 @@ class Batch:
         self.cache = self.valid = self.pending = self.pos = None
         self.dcache = self.g = self.tidx = self.extra = None
         self.zero_run = 0    # cycles in a row at K=0 (auto)
-        self.overflowed = False  # this cycle caught the head up at DEFER_MAX (auto, see step)
         self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
         # the head's input at each row's last prompt position (auto): what a row joining a batch
         # with deferred extends repeats in their place (see merge)
