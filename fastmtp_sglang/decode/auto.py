@@ -323,9 +323,10 @@ class AutoK:
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
             total, use, any_head = 0.0, [], False
-            for h, lk in zip(heads, lookups):
+            els = [expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 0.0
+                   for lk in lookups]
+            for h, el in zip(heads, els):
                 eh = expected_tokens(h, k)
-                el = expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 0.0
                 take = el > eh
                 use.append(take)
                 any_head |= not take
@@ -334,12 +335,11 @@ class AutoK:
             ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0)
             if total / ms > best[0]:
                 best = (total / ms, k, use)
-            if any_head and any(lk and lk[1] for lk in lookups):
+            if any_head and any(els):
                 # or no head at all: rows with a proposal take it, the others verify nothing
                 # this cycle (one token, as at K=0), so the cycle costs its verify alone (as the
                 # prompt-lookup arm's cycles do; at 2 rows the head's share decided against it)
-                free = sum(expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 1.0
-                           for lk in lookups)
+                free = sum(el or 1.0 for el in els)
                 ms = self.cycle_ms(k, B, head_steps=False)
                 if free / ms > best[0]:
                     best = (free / ms, k, [True] * B)  # (a row without a proposal: nothing)

@@ -67,10 +67,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# positions of head extends auto defers at most (cycles without the head): a batch that stays at
-# K=0 (under load, where catching up costs more than probing may) would otherwise keep every
-# cycle's hidden states
-DEFER_MAX = 128  # positions of deferred head extends a batch keeps (the oldest are forgotten)
+# positions of head extends auto defers at most (cycles without the head; the oldest are
+# forgotten): a batch that stays at K=0 (under load, where catching up costs more than probing
+# may) would otherwise keep every cycle's hidden states
+DEFER_MAX = 128
 PREFILL_CALL_TOKENS = 128  # a forward's fixed cost, in prompt tokens (a plain step ~ 128-token prefill share)
 
 
@@ -257,7 +257,7 @@ class ReferenceEngine:
         _sync(self.device)
         t_draft += time.perf_counter() - t
         if self.auto is not None:  # what this cycle really cost, against the curve
-            head_steps = not (self.hybrid and Kc and all(take for take, _, _ in b.plan))
+            head_steps = not self._head_idle(b, Kc)  # (at K=0 the curve has no head share)
             self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps,
                                     deferred if Kc else 0)
         self._advance(b, acc, emitted, bonus, room.tolist(), t_draft, t_verify, on_tokens)
