@@ -173,7 +173,8 @@ def test_auto_sampled_tokens_follow_the_target():
     prompt = [4, 9, 2]
     want = second_token_marginal(t, prompt, v)
     n = 3000
-    eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2, calibrate=False))
+    # (row_margin 0: a batch of 3000 rows that FLAT prices as free to verify is to draft)
+    eng = ReferenceEngine(t, head, 2, max_context=16, auto=AutoK(FLAT, 2, calibrate=False, row_margin=0.0))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i))
                         for i in range(n)])
     second = torch.tensor([r.output_ids[1] for r in res])
@@ -231,7 +232,7 @@ def test_hybrid_sampled_tokens_follow_the_target():
     prompt = [4, 9, 2, 4, 9]  # lookup proposes "2 ..." after "4 9"
     want = second_token_marginal(t, prompt, v)
     n = 3000
-    auto = AutoK(FLAT, 2, calibrate=False)
+    auto = AutoK(FLAT, 2, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
     auto.shared["lookup2"] = [0.9, 0.9]  # earlier requests found long lookup matches right
     eng = ReferenceEngine(t, head, 2, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
     # rows of the repeating prompt take the lookup proposal; rows of [1, 7, 3] (no match) the head
@@ -322,6 +323,24 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
         assert auto.choose_hybrid([[a]], [None], 0)[0] == want, (margin, a)
     with pytest.raises(ValueError):
         AutoK(costs, 1, margin=1.5)
+
+
+def test_the_margin_grows_with_the_batch():
+    """+10% promised at every size: one row drafts (margin 3%); 16 rows do not (3% + 15 x 1%),
+    unless row_margin is 0; the hybrid's choice and the probe's room follow the same margin."""
+    costs = StepCosts({1: 50.0, 2: 60.0}, draft_step=0.0, extend=0.0)
+    a = 60 / 50 * 1.10 - 1
+    auto = AutoK(costs, 1, calibrate=False)
+    assert auto.margin_at(1) == pytest.approx(0.03) and auto.margin_at(16) == pytest.approx(0.18)
+    assert auto.best([[a]]) == 1 and auto.best([[a]] * 16) == 0
+    assert auto.choose_hybrid([[a]] * 16, [None] * 16, 0)[0] == 0
+    auto.update([a], 1, 1)  # drafting observed: room() now judges by the shared estimate
+    auto.shared["head"] = [a]
+    assert auto.room(1) and not auto.room(16)
+    flat = AutoK(costs, 1, calibrate=False, row_margin=0.0)
+    assert flat.best([[a]] * 16) == 1 and flat.choose_hybrid([[a]] * 16, [None] * 16, 0)[0] == 1
+    with pytest.raises(ValueError):
+        AutoK(costs, 1, row_margin=-0.1)
 
 
 def test_an_uncalibrated_k_inherits_k0s_overhead_at_its_batch_class():

@@ -113,7 +113,14 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
         out2 = tmp_path / "r2"
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--repeats", "1", "--max-new-tokens",
-                             "5", "--concurrency", "2", "--no-warmup", "--out", out2, "--no-progress")
-    assert rc == 0, err
+                             "5", "--concurrency", "2", "--per-client", "3", "--no-warmup", "--out", out2,
+                             "--no-progress")
+        assert rc == 0, err
+        rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
+                             prompts, "--raw", "--steps", "0", "--concurrency", "2", "--per-client",
+                             "0", "--out", tmp_path / "r3", "--no-progress")
+        assert rc == 1 and "--per-client must be >= 1" in err
     t2 = json.loads((out2 / "results.json").read_text())["results"]["concurrency"]
-    assert set(t2) == {"2"} and set(t2["2"]) == {"0"} and t2["2"]["0"]["requests"] == 4
+    # 3 prompts, 2 clients sending at least 3 each
+    assert set(t2) == {"2"} and set(t2["2"]) == {"0"} and t2["2"]["0"]["requests"] == 6
+    assert "(at least 3 per client)" in (out2 / "results.md").read_text()

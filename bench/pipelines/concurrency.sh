@@ -12,7 +12,8 @@
 #
 # Environment: BIN (default .venv/bin), VLLM_PYTHON (default /tmp/fastmtp-ci-vllm-venv/bin/python),
 # LEVELS (default 1,2,4,8,16), LIMIT (prompts per Spec-Bench category, default 1), TOKENS
-# (default 64), REPEATS (default 2), VLLM_LIMIT (default LIMIT).
+# (default 64), REPEATS (default 2), VLLM_LIMIT (default LIMIT), PER_CLIENT (requests each client
+# sends at least per level, default 5: with 2, the 16-client level was half ramp-up and drain).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHAT=${1:-all}
@@ -20,20 +21,21 @@ BIN=${BIN:-.venv/bin}
 LEVELS=${LEVELS:-1,2,4,8,16}
 LIMIT=${LIMIT:-1}
 TOKENS=${TOKENS:-64}
+PER_CLIENT=${PER_CLIENT:-5}
 REPEATS=${REPEATS:-2}
 T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
 D=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3
 
 if [[ $WHAT == reference || $WHAT == all ]]; then
     "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$D" --steps 0,1,3,auto \
-        --ngram-steps 3 --concurrency "$LEVELS" --prompts bench/data/spec_bench.jsonl \
+        --ngram-steps 3 --concurrency "$LEVELS" --per-client "$PER_CLIENT" --prompts bench/data/spec_bench.jsonl \
         --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
         --emit-engine-config --out bench/results/concurrency_reference \
         --label "SmolLM2-135M + shipped head, reference server (continuous batching)"
 fi
 if [[ $WHAT == vllm || $WHAT == all ]]; then
     V=(env PYTHONPATH="$PWD" PYTHON="${VLLM_PYTHON:-/tmp/fastmtp-ci-vllm-venv/bin/python}" TARGET="$T"
-       DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS")
+       DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS" PER_CLIENT="$PER_CLIENT")
     # a. vLLM's own K per batch size: its static arms, one repeat, the table written from them
     "${V[@]}" REPEATS=1 EMIT=1 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
     # b. the run: K=0, 1, 3 and vLLM serving that table (arm auto), side by side

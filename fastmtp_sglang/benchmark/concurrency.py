@@ -180,10 +180,11 @@ def _run_clients(one: Callable[[dict[str, Any]], RequestRecord], bodies: list[di
 
 
 def level_bodies(prompts: list[list[int]], level: int, per_level: int,
-                 sampling: dict[str, Any]) -> list[dict[str, Any]]:
-    """The requests of one level: the prompt list cycled to ``max(per_level, 2 * level)``
-    requests, so every client sends at least two."""
-    n = max(per_level, 2 * level)
+                 sampling: dict[str, Any], per_client: int = 2) -> list[dict[str, Any]]:
+    """The requests of one level: the prompt list cycled to ``max(per_level, per_client *
+    level)`` requests, so every client sends at least ``per_client`` (with 2, a level of 16
+    clients is half ramp-up and drain: every client's second request is its last)."""
+    n = max(per_level, per_client * level)
     return [{"input_ids": list(prompts[i % len(prompts)]), "sampling_params": dict(sampling)}
             for i in range(n)]
 
@@ -191,9 +192,10 @@ def level_bodies(prompts: list[list[int]], level: int, per_level: int,
 def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[RequestRecord]]]],
                prompts: list[list[int]], levels: list[int], sampling: dict[str, Any],
                per_level: int, repeats: int, warmup: bool = True,
-               progress: bool = True) -> list[LevelRun]:
+               progress: bool = True, per_client: int = 2) -> list[LevelRun]:
     """Every arm at every level, ``repeats`` times, arms rotated. ``runners[arm](bodies, C)``
-    runs one closed loop and returns (wall s, records)."""
+    runs one closed loop and returns (wall s, records); each level sends at least
+    ``per_client`` requests per client (:func:`level_bodies`)."""
     import sys
 
     from tqdm import tqdm
@@ -211,7 +213,7 @@ def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[
         i = 0
         for rep in range(repeats):
             for level in levels:
-                bodies = level_bodies(prompts, level, per_level, sampling)
+                bodies = level_bodies(prompts, level, per_level, sampling, per_client)
                 for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
                     bar.set_postfix_str(f"C={level} {arm}")
                     wall, records, *spec = runners[arm](bodies, level)
@@ -287,7 +289,7 @@ def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
              f"- CPU: {meta.get('cpu', '')}",
              f"- engine: {meta.get('engine', '')}",
              f"- {meta.get('prompts', '?')} prompts, {meta.get('per_level', '?')} requests per level "
-             f"(at least 2 per client), {meta.get('repeats', '?')} repeats, "
+             f"(at least {meta.get('per_client', 2)} per client), {meta.get('repeats', '?')} repeats, "
              f"{meta.get('max_new_tokens', '?')} new tokens",
              "", "Server output tokens/s (speedup over K=0 at the same concurrency, paired within "
              "a repeat):", "",

@@ -210,7 +210,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "closed-loop streaming clients share the prompt list, per arm (results."
                    "concurrency in results.json, a plot of throughput against concurrency)")
     p.add_argument("--requests-per-level", type=int, default=None, help="--concurrency: requests "
-                   "per level and arm (default: the number of prompts; at least 2 per client)")
+                   "per level and arm (default: the number of prompts; at least --per-client "
+                   "per client)")
+    p.add_argument("--per-client", type=int, default=2, help="--concurrency: requests each client "
+                   "sends at least, per level and arm (default 2; more keeps a high level's "
+                   "ramp-up and drain a smaller part of its time)")
     p.add_argument("--emit-engine-config", action="store_true", help="--concurrency: also write "
                    "the K-per-batch-size tables this run measured, for SGLang "
                    "(--speculative-adaptive-config) and vLLM (num_speculative_tokens_per_batch_size)")

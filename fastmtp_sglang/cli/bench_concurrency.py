@@ -101,13 +101,15 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
     progress = not args.no_progress
     if args.requests_per_level is not None and args.requests_per_level < 1:
         raise FastMTPError(f"--requests-per-level must be >= 1, got {args.requests_per_level}")
+    if args.per_client < 1:
+        raise FastMTPError(f"--per-client must be >= 1, got {args.per_client}")
     runners, prompts, desc, servers, extra = (_servers(args, cfg) if args.url
                                        else _in_process(args, cfg, levels, progress, load))
     per_level = args.requests_per_level or len(prompts)
     sampling = {**cfg.sampling_params(), "seed": cfg.seed}
     try:
         runs = run_levels(runners, prompts, levels, sampling, per_level, cfg.repeats,
-                          warmup=cfg.warmup, progress=progress)
+                          warmup=cfg.warmup, progress=progress, per_client=args.per_client)
     finally:
         for srv in servers:
             srv.shutdown()
@@ -119,7 +121,7 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
                                f"{Path(args.draft.rstrip('/')).name if args.draft else 'servers'}",
         "engine": desc, "cpu": f"{cpu['model']}; flags {' '.join(cpu['flags'])}; "
                                f"{cpu['threads']} threads",
-        "levels": levels, "prompts": len(prompts), "per_level": per_level,
+        "levels": levels, "prompts": len(prompts), "per_level": per_level, "per_client": args.per_client,
         "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens,
         "sampling": sampling, "target": args.target, "draft": args.draft,
         **extra,
