@@ -312,6 +312,26 @@ def test_calibration_is_kept_per_batch_size_class():
     assert auto.cycle_ms(1, 1) == FLAT.cycle_ms(1, 1) and auto.cycle_ms(1, 8) == FLAT.cycle_ms(1, 8)
 
 
+def test_lookup_cycles_are_calibrated_apart_and_a_new_k_starts_from_the_class_below():
+    """Cycles without the head (priced at the verify alone) keep their own ratio beside head
+    cycles at the same K and batch class; a K not yet run at a class starts from the larger of
+    K=0's ratio there and its own at the class below."""
+    auto = AutoK(FLAT, 3)
+    for _ in range(20):
+        auto.observe_cycle(1, 1, 1.2 * FLAT.cycle_ms(1, 1))
+        auto.observe_cycle(1, 1, 2.0 * FLAT.verify_ms(2), head_steps=False)
+    assert auto.cycle_ms(1, 1) == pytest.approx(1.2 * FLAT.cycle_ms(1, 1), rel=0.01)
+    assert auto.cycle_ms(1, 1, head_steps=False) == pytest.approx(2.0 * FLAT.verify_ms(2), rel=0.01)
+    for _ in range(20):
+        auto.observe_cycle(0, 8, 1.1 * FLAT.cycle_ms(0, 8))
+        auto.observe_cycle(0, 16, 1.1 * FLAT.cycle_ms(0, 16))
+        auto.observe_cycle(1, 4, 1.8 * FLAT.verify_ms(2), head_steps=False)
+    assert auto.cycle_ms(1, 8, head_steps=False) == pytest.approx(1.8 * FLAT.verify_ms(2), rel=0.01)
+    assert auto.cycle_ms(1, 8) == pytest.approx(1.1 * FLAT.cycle_ms(1, 8), rel=0.01)  # head: K=0's
+    # two classes up, nothing measured at 8 for K=1 lookup: K=0's ratio at 16
+    assert auto.cycle_ms(1, 16, head_steps=False) == pytest.approx(1.1 * FLAT.verify_ms(2), rel=0.01)
+
+
 def test_drafting_must_beat_plain_decoding_by_the_margin():
     """A K whose expected throughput is 1-2% above K=0's is not worth the risk; 10% is."""
     costs = StepCosts({1: 50.0, 2: 60.0}, draft_step=0.0, extend=0.0)
@@ -527,3 +547,52 @@ def test_hybrid_may_go_without_the_head_when_one_row_has_a_good_proposal():
     # with a proposal for neither row nothing changes: the head or K=0
     k, use = auto.choose_hybrid([[0.3] * 3, [0.3] * 3], [None, None], zero_run=0)
     assert use == [False, False]
+
+
+def test_rows_join_a_batch_holding_deferred_lookup_cycles(llama):
+    """Rows join a batch whose prompt-lookup cycles left the head's extends deferred (parts of
+    4 positions, each row's ending at its own last accepted one): the merge widens the joiners'
+    entries to each part's width, and after the catch-up the head drafts exactly what an engine
+    that extended the head every cycle drafts; every row gets the target's tokens (fp32)."""
+    t, head, _ = llama
+    prompts = [PROMPTS[0], PROMPTS[1] + PROMPTS[1], REPEATS[0], REPEATS[1]]
+    ref = [greedy_reference(t, p, 20) for p in prompts]
+    plan = ["lookup", "lookup", "lookup", "head", "lookup", 0, "lookup", "head"] * 6
+    joins = {2: [2], 6: [3]}  # the cycle before which request i joins
+    runs = []
+    for mode in ("defer", "eager"):
+        eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
+                              auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
+        _forced_hybrid(eng, plan, prompts, ref)
+        if mode == "eager":
+            eng._head_idle = lambda b, drafted: drafted == 0  # lookup cycles extend at once
+        drafts, heads, real, spy = [], [0], eng._head, eng._draft_head
+
+        def draft_head(b, K, spy=spy, drafts=drafts):
+            d, q = spy(b, K)
+            drafts.append(d.tolist())
+            return d, q
+
+        def count(*a, real=real, heads=heads):
+            heads[0] += 1
+            return real(*a)
+        eng._draft_head, eng._head = draft_head, count
+        reqs = [Request(list(p), SamplingParams(max_new_tokens=20)) for p in prompts]
+        b = eng.start(reqs[:2], [0, 1])
+        out, cycle = {}, 0
+        while len(b) or len(out) + len(b) < len(reqs):
+            cycle += 1
+            if cycle in joins:
+                if mode == "defer":  # the joiners meet lookup cycles' multi-position parts
+                    assert any(d[1].shape[1] == 4 for d in b.deferred)
+                eng.join(b, [reqs[i] for i in joins[cycle]], joins[cycle])
+                if mode == "defer":
+                    assert all(x.shape[0] == len(b) for d in b.deferred for x in d)
+            out.update((k, r) for k, r in eng.step(b))
+        assert [out[i].output_ids for i in range(len(reqs))] == ref
+        looked = {c.accepted for r in out.values() for c in r.metrics.cycles if c.source == "lookup"}
+        assert {0, 1, 2} <= looked
+        runs.append((drafts, heads[0]))
+    (deferred, n_def), (eager, n_eager) = runs
+    assert deferred == eager and len(deferred) >= 3
+    assert n_def < n_eager  # lookup cycles ran no head forward of their own

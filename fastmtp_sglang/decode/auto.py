@@ -189,8 +189,8 @@ class AutoK:
         # a pause of the VM makes a cycle 2-3x its price now and then, and an average of such
         # outliers lifted K=0's price 12% above its typical cycle at 16 rows, where drafting
         # then looked as cheap as K=0 and lost (design 6.7).
-        self.calib: dict[tuple[int, int], float] = {}
-        self._ratios: dict[tuple[int, int], deque] = {}
+        self.calib: dict[tuple, float] = {}  # keys: _calib_key
+        self._ratios: dict[tuple, deque] = {}
         self._catch_up: dict[int, deque] = {}  # ms per deferred position of catch-ups, per batch class
         self.calibrate = calibrate  # False: trust the curve as given (tests)
 
@@ -226,11 +226,33 @@ class AutoK:
         really took against it (``observe_cycle``). A drafting cycle after ``deferred`` cycles
         at K=0 also runs the head's draft extend over those positions (the catch-up)."""
         ms = self._model_ms(k, batch, head_steps, deferred)
-        cls = batch_class(batch)
         # a K not yet seen at this batch class pays at least what K=0 was measured to pay there:
         # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
         # for it made drafting look cheap next to a calibrated K=0 under load)
-        return ms * self.calib.get((k, cls), self.calib.get((0, cls), 1.0))
+        key = self._calib_key(k, batch, head_steps)
+        return ms * self.calib.get(key, self._inherited(key))
+
+    def _inherited(self, key: tuple) -> float:
+        """What a (K, class[, "lookup"]) not yet calibrated starts from: K=0's ratio at its class
+        (1 before any), or, when larger, its own ratio at the class below. At long contexts a
+        verify of K+1 tokens per row pays attention over K+1 queries where the curve's short
+        ones barely did, so a drafting K falls further behind its price than K=0 does, and more
+        so the more rows: a K first run at 16 rows is priced at least as it ran at 8."""
+        k, cls = key[0], key[1]
+        own = self.calib.get((0, cls), 1.0)
+        if k and cls > 1:
+            own = max(own, self.calib.get((k, cls // 2, *key[2:]), own))
+        return own
+
+    @staticmethod
+    def _calib_key(k: int, batch: int, head_steps: bool) -> tuple:
+        """Where cycles at K of ``batch`` rows are calibrated: (K, batch class), and apart,
+        (K, batch class, "lookup") for drafting cycles without the head (hybrid, every row on
+        prompt lookup). The two are priced from different parts of the curve (the verify alone,
+        or the verify with the head's steps and extend), so one ratio cannot fit both: at 8-16
+        rows, lookup cycles priced with the ratio of head cycles took 1.3-1.7x their price."""
+        cls = batch_class(batch)
+        return (k, cls) if head_steps or not k else (k, cls, "lookup")
 
     def _model_ms(self, k: int, batch: int, head_steps: bool, deferred: int) -> float:
         if k and not head_steps:
@@ -268,11 +290,11 @@ class AutoK:
         catch-up over ``deferred`` positions of cycles without the head when it ran one)."""
         model = self._model_ms(k, batch, head_steps, deferred)
         if model > 0 and ms > 0 and self.calibrate:
-            key = (k, batch_class(batch))
-            prior = self.calib.get(key, self.calib.get((0, key[1]), 1.0))
+            key = self._calib_key(k, batch, head_steps)
+            prior = self.calib.get(key, self._inherited(key))
             window = self._ratios.setdefault(key, deque(maxlen=self.CALIB_WINDOW))
             window.append(min(ms / model, 10.0))
-            # a K's first cycles are weighed against what it inherited (K=0's ratio, or 1)
+            # a K's first cycles are weighed against what it inherited (_inherited)
             self.calib[key] = statistics.median(list(window) + [prior] * max(0, 3 - len(window)))
 
     def margin_at(self, batch: int) -> float:
