@@ -470,6 +470,29 @@ def _forced_hybrid(eng, plan, prompts, ref):
     eng._choose = choose
 
 
+def _spied_hybrid(t, head, plan, prompts, ref, eager: bool):
+    """A hybrid engine forced through ``plan`` (_forced_hybrid) that records the head's drafts
+    (one list per drafting cycle) and counts its forwards (``heads[0]``); ``eager``: lookup
+    cycles extend the head at once instead of deferring. Returns (engine, drafts, heads)."""
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
+                          auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
+    _forced_hybrid(eng, plan, prompts, ref)
+    if eager:
+        eng._head_idle = lambda b, drafted: drafted == 0
+    drafts, heads, real, spy = [], [0], eng._head, eng._draft_head
+
+    def draft_head(b, K):
+        d, q = spy(b, K)
+        drafts.append(d.tolist())
+        return d, q
+
+    def count(*a):
+        heads[0] += 1
+        return real(*a)
+    eng._draft_head, eng._head = draft_head, count
+    return eng, drafts, heads
+
+
 def test_cycles_without_the_head_defer_its_extend_and_it_catches_up_exactly(llama, monkeypatch):
     """Cycles where every row took prompt lookup (as K=0 cycles) leave the head's extend for its
     next drafting cycle: no head forward runs in them, and the head's drafts after the catch-up
@@ -484,23 +507,7 @@ def test_cycles_without_the_head_defer_its_extend_and_it_catches_up_exactly(llam
     for mode in ("defer", "eager", "overflow"):
         # overflow: 5 positions (a lookup cycle adds 4): the oldest are forgotten
         monkeypatch.setattr(engine_mod, "DEFER_MAX", 5 if mode == "overflow" else 128)
-        eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
-                              auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
-        _forced_hybrid(eng, plan, prompts, ref)
-        if mode == "eager":
-            eng._head_idle = lambda b, drafted: drafted == 0  # lookup cycles extend at once
-        drafts, heads, real = [], [0], eng._head
-        spy = eng._draft_head
-
-        def draft_head(b, K, spy=spy, drafts=drafts):
-            d, q = spy(b, K)
-            drafts.append(d.tolist())
-            return d, q
-
-        def count(*a, real=real, heads=heads):
-            heads[0] += 1
-            return real(*a)
-        eng._draft_head, eng._head = draft_head, count
+        eng, drafts, heads = _spied_hybrid(t, head, plan, prompts, ref, eager=mode == "eager")
         res = eng.generate([Request(p, SamplingParams(max_new_tokens=20)) for p in prompts])
         assert [r.output_ids for r in res] == ref
         looked = {c.accepted for r in res for c in r.metrics.cycles if c.source == "lookup"}
@@ -561,22 +568,7 @@ def test_rows_join_a_batch_holding_deferred_lookup_cycles(llama):
     joins = {2: [2], 6: [3]}  # the cycle before which request i joins
     runs = []
     for mode in ("defer", "eager"):
-        eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3),
-                              auto=AutoK(FLAT, 3, calibrate=False), hybrid=True)
-        _forced_hybrid(eng, plan, prompts, ref)
-        if mode == "eager":
-            eng._head_idle = lambda b, drafted: drafted == 0  # lookup cycles extend at once
-        drafts, heads, real, spy = [], [0], eng._head, eng._draft_head
-
-        def draft_head(b, K, spy=spy, drafts=drafts):
-            d, q = spy(b, K)
-            drafts.append(d.tolist())
-            return d, q
-
-        def count(*a, real=real, heads=heads):
-            heads[0] += 1
-            return real(*a)
-        eng._draft_head, eng._head = draft_head, count
+        eng, drafts, heads = _spied_hybrid(t, head, plan, prompts, ref, eager=mode == "eager")
         reqs = [Request(list(p), SamplingParams(max_new_tokens=20)) for p in prompts]
         b = eng.start(reqs[:2], [0, 1])
         out, cycle = {}, 0

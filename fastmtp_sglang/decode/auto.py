@@ -27,7 +27,8 @@ corrected online: every cycle's wall time is compared with what the curve says a
 and batch size costs, and the median of the last 15 ratios per K and batch-size class scales that
 K's cost from then on (a serving loop costs more per cycle than the bare calls the curve times,
 and more so at larger K; a median, so the odd cycle that pays a repack or a VM pause does not
-set the price).
+set the price); prompt-lookup cycles that run without the head keep ratios of their own. The
+margin drafting must promise over K=0 grows with the batch (:meth:`AutoK.margin_at`).
 """
 
 from __future__ import annotations
