@@ -123,4 +123,4 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     t2 = json.loads((out2 / "results.json").read_text())["results"]["concurrency"]
     # 3 prompts, 2 clients sending at least 3 each
     assert set(t2) == {"2"} and set(t2["2"]) == {"0"} and t2["2"]["0"]["requests"] == 6
-    assert "(at least 3 per client)" in (out2 / "results.md").read_text()
+    assert "6 requests per level and arm (at least 3 per client)" in (out2 / "results.md").read_text()

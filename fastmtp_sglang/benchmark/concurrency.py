@@ -282,13 +282,22 @@ def stops_paying(table: dict[str, dict[str, Any]], baseline: str = "0") -> dict[
     return out
 
 
+def _requests(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The requests each level sent per arm: "26" or "26-80" (levels past ``per_level`` clients
+    x ``per_client`` send more)."""
+    counts = sorted({s["requests"] for lv in table.values() for s in lv.values() if "requests" in s})
+    if not counts:
+        return str(meta.get("per_level", "?"))
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
     lines = [f"# Throughput across concurrency: {meta.get('label', '')}", "",
              f"- command: `{meta.get('command', '')}`",
              f"- CPU: {meta.get('cpu', '')}",
              f"- engine: {meta.get('engine', '')}",
-             f"- {meta.get('prompts', '?')} prompts, {meta.get('per_level', '?')} requests per level "
+             f"- {meta.get('prompts', '?')} prompts, {_requests(table, meta)} requests per level and arm "
              f"(at least {meta.get('per_client', 2)} per client), {meta.get('repeats', '?')} repeats, "
              f"{meta.get('max_new_tokens', '?')} new tokens",
              "", "Server output tokens/s (speedup over K=0 at the same concurrency, paired within "
