@@ -424,6 +424,47 @@ def test_the_engine_reports_its_catch_ups(llama):
     assert list(eng.auto._catch_up) == [2] and len(eng.auto._catch_up[2]) == 1  # (6 positions)
 
 
+def test_the_heads_first_reading_of_prompts_is_priced_over_the_budget_left():
+    """The head reads a row's prompt when the row first drafts (ReferenceEngine._head_prompts):
+    a one-time cost, spread over the cycles the rows have left. Unmeasured it is free (the first
+    drafting cycle is not held back by a guess); measured, rows with a long budget left still
+    draft, rows near the end of theirs stay at K=0, and a probe waits for it too."""
+    auto = AutoK(FLAT, 3, calibrate=True)
+    good, bad = [[0.6] * 3] * 2, [[0.05] * 3] * 2
+    assert auto.once_ms(1600, 2) == 0.0
+    auto.observe_prompts(400, 40.0)                                  # 0.1 ms a prompt token
+    assert auto.once_ms(1600, 60) == pytest.approx(1600 * 0.1 / 60)
+    assert auto.once_ms(1600, 0) == pytest.approx(160.0)             # (at least one cycle)
+    assert auto.best(good) == 3
+    assert auto.best(good, once=auto.once_ms(1600, 60)) == 3         # 2.7 ms a cycle: it pays
+    assert auto.best(good, once=auto.once_ms(1600, 2)) == 0          # 80 ms a cycle: it does not
+    assert auto.choose_hybrid(good, [None, None], 0, once=auto.once_ms(1600, 2))[0] == 0
+    assert auto.cycle_ms(0, 2, once=5.0) == auto.cycle_ms(0, 2)      # K=0 reads no prompt
+    assert auto.cycle_ms(2, 2, head_steps=False, once=5.0) == auto.cycle_ms(2, 2, head_steps=False)
+    assert auto.cycle_ms(2, 2, once=5.0) == pytest.approx(auto.cycle_ms(2, 2) + 5.0)
+    assert auto.probe_due(bad, zero_run=8) and not auto.probe_due(bad, zero_run=8, once=80.0)
+
+
+def test_the_engine_measures_and_prices_the_heads_first_reading_of_prompts(llama):
+    t, head, _ = llama
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=True))
+    once = []
+    plan = iter([0] * 3 + [2] * 100)
+    real = eng._prompts_once
+    eng._choose = lambda b: once.append(real(b.rows)) or next(plan)
+    reqs = [Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=12)),
+            Request([3, 4], SamplingParams(max_new_tokens=20))]
+    eng.generate(reqs)
+    assert once[:4] == [0.0] * 4 and once[-1] == 0.0   # unmeasured: free; all read: nothing left
+    assert len(eng.auto._prompt_tok) == 1                # one reading of both prompts
+    eng.auto._prompt_tok.clear()
+    eng.auto._prompt_tok.append(0.5)                     # 0.5 ms a prompt token
+    b = eng.start(reqs, [0, 1])                          # each has emitted its first token
+    assert eng._prompts_once(b.rows) == pytest.approx(0.5 * 7 / 19)  # budgets left 11, 19: 19
+    b.rows[0].head_prompt = None
+    assert eng._prompts_once(b.rows) == pytest.approx(0.5 * 2 / 19)
+
+
 def test_no_probes_where_the_batch_leaves_drafting_no_room():
     """Once drafting has been observed, a probe is made only at batch sizes where rows as good
     as the best shared estimate could make drafting pay: at 16 rows (K=1 at 1.6x a plain cycle)

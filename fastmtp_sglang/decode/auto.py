@@ -193,6 +193,7 @@ class AutoK:
         self.calib: dict[tuple, float] = {}  # keys: _calib_key
         self._ratios: dict[tuple, deque] = {}
         self._catch_up: dict[int, deque] = {}  # ms per deferred position of catch-ups, per batch class
+        self._prompt_tok: deque = deque(maxlen=self.CALIB_WINDOW)  # ms per prompt token the head read
         self.calibrate = calibrate  # False: trust the curve as given (tests)
 
     def new_estimate(self, source: str = "head") -> list[float]:
@@ -222,10 +223,15 @@ class AutoK:
         if 0 < k == accepted < len(est):
             est[k] = max(est[k], est[k - 1])
 
-    def cycle_ms(self, k: int, batch: int, head_steps: bool = True, deferred: int = 0) -> float:
+    def cycle_ms(self, k: int, batch: int, head_steps: bool = True, deferred: int = 0,
+                 once: float = 0.0) -> float:
         """A cycle's expected ms: the measured curve at this batch size, times what cycles at K
         really took against it (``observe_cycle``). A drafting cycle after ``deferred`` cycles
-        at K=0 also runs the head's draft extend over those positions (the catch-up)."""
+        at K=0 also runs the head's draft extend over those positions (the catch-up), and a
+        cycle that runs the head pays ``once`` ms more: its share of the head's first reading
+        of the rows' prompts (:meth:`once_ms`)."""
+        if k and head_steps and once:
+            return self.cycle_ms(k, batch, head_steps, deferred) + once
         ms = self._model_ms(k, batch, head_steps, deferred)
         # a K not yet seen at this batch class pays at least what K=0 was measured to pay there:
         # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
@@ -285,10 +291,31 @@ class AutoK:
             extra = max(ms - self.costs.extend_ms(1, batch), 0.0) / (deferred - 1)
             self._catch_up.setdefault(batch_class(batch), deque(maxlen=self.CALIB_WINDOW)).append(extra)
 
+    def once_ms(self, tokens: int, left: float) -> float:
+        """Per cycle, the price of the head's first reading of prompts it has not read
+        (``tokens`` prompt positions in all, ReferenceEngine._head_prompts), spread over the
+        ``left`` cycles the rows have left at most (their remaining token budgets): ms per prompt
+        token as measured here (:meth:`observe_prompts`; 0 before the first reading, so the
+        first drafting cycle is not held back by a guess).
+
+        Unpriced, a batch that had decoded at K=0 under load paid it in the first drafting
+        cycle as the load fell: at 16 clients (this session's Xeon) cycles at 2-4 rows took
+        121-231 ms for 1.3-1.4 tokens a row against ~32-60 ms for one at K=0, 80 ms of it the
+        head reading the rows' prompts, for rows with a few tokens left to draft."""
+        if not tokens or not self._prompt_tok:
+            return 0.0
+        return statistics.median(self._prompt_tok) * tokens / max(left, 1.0)
+
+    def observe_prompts(self, tokens: int, ms: float) -> None:
+        """The head read ``tokens`` prompt positions in ``ms``."""
+        if tokens > 0 and ms > 0 and self.calibrate:
+            self._prompt_tok.append(ms / tokens)
+
     def observe_cycle(self, k: int, batch: int, ms: float, head_steps: bool = True,
                       deferred: int = 0) -> None:
         """A cycle at K of ``batch`` rows took ``ms`` (wall, draft + verify + extend, with the
-        catch-up over ``deferred`` positions of cycles without the head when it ran one)."""
+        catch-up over ``deferred`` positions of cycles without the head when it ran one; the
+        head's first reading of prompts is not in ``ms``: it is priced apart, :meth:`once_ms`)."""
         model = self._model_ms(k, batch, head_steps, deferred)
         if model > 0 and ms > 0 and self.calibrate:
             key = self._calib_key(k, batch, head_steps)
@@ -312,9 +339,10 @@ class AutoK:
         the same arm kept at K=0 from 9 rows made 0.98x."""
         return self.margin + self.row_margin * (max(int(batch), 1) - 1)
 
-    def best(self, ests: list[list[float]], deferred: int = 0) -> int:
+    def best(self, ests: list[list[float]], deferred: int = 0, once: float = 0.0) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
-        rate = [sum(expected_tokens(e, k) for e in ests) / self.cycle_ms(k, len(ests), deferred=deferred)
+        rate = [sum(expected_tokens(e, k) for e in ests)
+                / self.cycle_ms(k, len(ests), deferred=deferred, once=once)
                 for k in range(self.kmax + 1)]
         rate[0] *= 1.0 + self.margin_at(len(ests))
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
@@ -336,7 +364,8 @@ class AutoK:
         return any(expected_tokens(best, k) / self.cycle_ms(k, batch, head_steps) > plain
                    for k in range(1, self.kmax + 1))
 
-    def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> bool:
+    def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0,
+                  once: float = 0.0) -> bool:
         """After ``zero_run`` cycles at K=0: is a K=1 probe due? Not before ``probe_every`` of
         them, and not before ``probe_budget`` of their time covers what the probe is expected
         to lose against plain decoding (its cycle, catch-up included, less the time K=0 takes
@@ -347,11 +376,12 @@ class AutoK:
         if not self.room(B):
             return False
         plain = self.cycle_ms(0, B)
-        loss = self.cycle_ms(1, B, deferred=deferred) - plain * sum(expected_tokens(e, 1) for e in ests) / B
+        loss = (self.cycle_ms(1, B, deferred=deferred, once=once)
+                - plain * sum(expected_tokens(e, 1) for e in ests) / B)
         return loss <= self.probe_budget * zero_run * plain
 
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
-                      zero_run: int, deferred: int = 0) -> tuple[int, list[bool]]:
+                      zero_run: int, deferred: int = 0, once: float = 0.0) -> tuple[int, list[bool]]:
         """Hybrid drafting: K, and for each row whether it drafts with prompt lookup.
 
         ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
@@ -375,7 +405,7 @@ class AutoK:
                 any_head |= not take
                 total += el if take else eh
             # without head steps: the verify only (no draft steps, no extend, no catch-up yet)
-            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0)
+            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0, once=once)
             if total / ms > best[0]:
                 best = (total / ms, k, use)
             if any_head and any(els):
@@ -387,16 +417,17 @@ class AutoK:
                 if free / ms > best[0]:
                     best = (free / ms, k, [True] * B)  # (a row without a proposal: nothing)
         _, k, use = best
-        if k == 0 and self.probe_due(heads, zero_run, deferred):
+        if k == 0 and self.probe_due(heads, zero_run, deferred, once):
             return 1, [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
                        for h, lk in zip(heads, lookups)]
         return k, use
 
-    def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0) -> int:
+    def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0, once: float = 0.0) -> int:
         """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it,
-        ``deferred`` = how many positions the head has not caught up on (cycles without it)."""
-        k = self.best(ests, deferred)
-        if k == 0 and self.probe_due(ests, zero_run, deferred):
+        ``deferred`` = how many positions the head has not caught up on (cycles without it),
+        ``once`` = the cycle's share of the head's first reading of prompts (:meth:`once_ms`)."""
+        k = self.best(ests, deferred, once)
+        if k == 0 and self.probe_due(ests, zero_run, deferred, once):
             return 1
         return k
 

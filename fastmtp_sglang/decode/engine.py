@@ -155,6 +155,7 @@ class ReferenceEngine:
         # rows a running batch's cache makes room for when a join must grow it (the server sets
         # its max batch): it then copies itself once, not at every doubling
         self.rows_hint = 0
+        self._prompts_s = 0.0  # seconds of this cycle spent in _head_prompts
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -236,6 +237,7 @@ class ReferenceEngine:
         if done or not len(b):  # answer those first: a cycle that raises must not lose them
             return done
         t = time.perf_counter()
+        self._prompts_s = 0.0  # the head's first reading of prompts in this cycle (_head_prompts)
         # near the context limit a row may verify only what fits (the rest of its drafts are
         # ignored, see _verify), and no cycle drafts more than its roomiest row can use
         room = (self.max_context - 2 - b.pos).clamp(min=0)                           # [n]
@@ -258,8 +260,9 @@ class ReferenceEngine:
         t_draft += time.perf_counter() - t
         if self.auto is not None:  # what this cycle really cost, against the curve
             head_steps = not self._head_idle(b, Kc)  # (at K=0 the curve has no head share)
-            self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify), head_steps,
-                                    deferred if Kc else 0)
+            # (less the head's first reading of prompts: priced apart, AutoK.once_ms)
+            self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify - self._prompts_s),
+                                    head_steps, deferred if Kc else 0)
         self._advance(b, acc, emitted, bonus, room.tolist(), t_draft, t_verify, on_tokens)
         return done + self._collect(b)
 
@@ -322,8 +325,9 @@ class ReferenceEngine:
         if self.auto is None:
             return self.steps
         rows = b.rows
+        once = self._prompts_once(rows)
         if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions())
+            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once)
         if not self.auto.room(len(rows)):
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
@@ -336,9 +340,21 @@ class ReferenceEngine:
             if m and m not in r.est_lookup:
                 r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
             looks.append((r.est_lookup[m], len(toks)) if m else None)
-        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run, b.deferred_positions())
+        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run,
+                                         b.deferred_positions(), once)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
+
+    def _prompts_once(self, rows: list[Row]) -> float:
+        """auto: a head cycle's share of reading the prompts the head has not read yet (their
+        positions, spread over the cycles those rows have left at most: the median of their
+        remaining token budgets; AutoK.once_ms). 0 when every prompt has been read."""
+        unread = [(len(r.head_prompt[1]), r.req.params.max_new_tokens - len(r.out))
+                  for r in rows if r.head_prompt is not None]
+        if not unread:
+            return 0.0
+        left = sorted(n for _, n in unread)[len(unread) // 2]
+        return self.auto.once_ms(sum(n for n, _ in unread), left)
 
     def _draft(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
@@ -493,6 +509,7 @@ class ReferenceEngine:
         rows = [r for r in b.rows if r.head_prompt is not None]
         if not rows:
             return
+        t0 = time.perf_counter()
         dev = self.device
         for group in prefill_groups([len(r.head_prompt[1]) for r in rows], self.prefill_call_tokens):
             part = [rows[i] for i in group]
@@ -512,6 +529,10 @@ class ReferenceEngine:
                          torch.tensor([len(r.head_prompt[1]) - 1 for r in part], device=dev)]
             for r in part:
                 r.head_prompt = None
+        _sync(dev)
+        spent = time.perf_counter() - t0
+        self._prompts_s += spent  # (step keeps it out of the cycle's calibration)
+        self.auto.observe_prompts(sum(len(r.req.input_ids) for r in rows), 1e3 * spent)
 
     def _catch_up(self, b: Batch) -> None:
         """Before the head drafts: its extend over the prompts it has not read (_head_prompts),

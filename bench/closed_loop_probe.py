@@ -1,0 +1,122 @@
+"""Closed-loop load on the engine alone (no HTTP, no threads): C clients, each sending its next
+prompt as soon as its previous answer finishes, driven the way the reference server's loop drives
+the engine (joins between cycles, up to C rows). Times joins and cycles apart, per arm, so an
+arm's loss under load can be split into prefill (joins), cycles and bookkeeping.
+
+    python bench/closed_loop_probe.py --clients 16 --requests 80 --arms 0,auto,auto0 --rounds 3
+
+Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt lookup), ``auto``
+(the hybrid auto engine), ``auto0`` (the same engine with a margin no drafting can beat: what
+auto's machinery costs when it never drafts). Rounds rotate the arms' order. Direction only:
+the bench (``fastmtp bench --concurrency``) is the measurement.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from fastmtp_sglang.cli.demo import shipped_head
+from fastmtp_sglang.core.demo_target import materialize_smollm2
+from fastmtp_sglang.core.draft_dir import load_head
+from fastmtp_sglang.core.prompts import load_prompt_ids
+from fastmtp_sglang.core.target import load_target
+from fastmtp_sglang.decode.auto import auto_engine, measure_auto_costs
+from fastmtp_sglang.decode.engine import ReferenceEngine, Request
+from fastmtp_sglang.decode.ngram import NgramDrafter
+from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
+
+
+def run(eng, prompts, clients, requests, tokens):
+    """One closed-loop level; returns a dict of totals."""
+    todo = [prompts[i % len(prompts)] for i in range(requests)]
+    nxt, b, out_tok = 0, None, 0
+    t_join = t_step = 0.0
+    joins = cycles = rows_sum = 0
+    waiting = min(clients, requests)  # clients with a request ready to join
+    t0 = time.perf_counter()
+    while nxt < requests or (b is not None and len(b)):
+        n = min(waiting, requests - nxt)
+        if n:
+            reqs = [Request(list(todo[nxt + i]), SamplingParams(max_new_tokens=tokens, temperature=0.0))
+                    for i in range(n)]
+            keys = list(range(nxt, nxt + n))
+            t = time.perf_counter()
+            if b is None or not len(b):
+                b = eng.start(reqs, keys)
+            else:
+                eng.join(b, reqs, keys)
+            t_join += time.perf_counter() - t
+            joins += 1
+            nxt += n
+            waiting -= n
+        t = time.perf_counter()
+        rows_sum += len(b)
+        done = eng.step(b)
+        t_step += time.perf_counter() - t
+        cycles += 1
+        for _, res in done:
+            out_tok += len(res.output_ids)
+            waiting += 1
+    wall = time.perf_counter() - t0
+    return dict(wall=wall, tok_s=out_tok / wall, join_s=t_join, step_s=t_step, joins=joins,
+                cycles=cycles, rows=rows_sum / max(cycles, 1), other_s=wall - t_join - t_step)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--arms", default="0,auto,auto0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    target = load_target(str(materialize_smollm2()), dtype="bfloat16")
+    D = shipped_head()
+    head = load_head(str(D), target.embed, target.lm_head, dtype=target.model.dtype)
+    vocab = resolve_vocab(None, target.tokenizer, target.lm_head, "none", str(D))
+    prompts = [p[-1] for p in load_prompt_ids(target.tokenizer, "bench/data/spec_bench.jsonl", a.limit, None, True)]
+    engs = {}
+    curves = None
+    for arm in a.arms.split(","):
+        if arm.startswith("auto"):
+            if curves is None:
+                curves = [measure_auto_costs(target, head, 3, vocab, batch=bb)
+                          for bb in sorted({1, 2, 4, 8, a.clients})]
+            eng = auto_engine(target, head, 3, curves[0], None, vocab, "hybrid", batched_curves=curves[1:])
+            if arm == "auto0":
+                eng.auto.margin = 0.99
+        elif arm.startswith("lookup"):
+            eng = ReferenceEngine(target, None, int(arm[6:]), None, drafter=NgramDrafter())
+        else:
+            k = int(arm)
+            eng = ReferenceEngine(target, head if k else None, k, None, draft_vocab=vocab if k else None)
+        eng.rows_hint = a.clients
+        engs[arm] = eng
+    names = list(engs)
+    for arm in names:  # warm-up
+        run(engs[arm], prompts, min(4, a.clients), 8, 16)
+    res = {arm: [] for arm in names}
+    for rnd in range(a.rounds):
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for arm in order:
+            r = run(engs[arm], prompts, a.clients, a.requests, a.tokens)
+            res[arm].append(r)
+            print(f"round {rnd} {arm:>8}: {r['tok_s']:6.1f} tok/s wall {r['wall']:.2f}s join {r['join_s']:.2f}s "
+                  f"({r['joins']}) step {r['step_s']:.2f}s ({r['cycles']} cycles, {r['rows']:.1f} rows) "
+                  f"other {r['other_s']:.2f}s", flush=True)
+    base = res[names[0]]
+    for arm in names:
+        rat = [x['tok_s'] / y['tok_s'] for x, y in zip(res[arm], base)]
+        print(f"{arm:>8}: median {statistics.median(x['tok_s'] for x in res[arm]):.1f} tok/s, "
+              f"vs {names[0]} {statistics.median(rat):.3f} ({', '.join(f'{v:.3f}' for v in rat)})")
+        e = engs[arm]
+        if e.auto is not None:
+            print("   calib", {k: round(v, 2) for k, v in sorted(e.auto.calib.items(), key=str)})
+
+
+if __name__ == "__main__":
+    main()
