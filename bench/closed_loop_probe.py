@@ -28,6 +28,31 @@ from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
 
+CHOICES = []  # auto's drafting choices: (rows, K, predicted tokens, predicted ms, K=0's predicted ms)
+
+
+def _spy_choices():
+    """Record what auto predicted for each drafting cycle it chose (tokens, ms), to hold
+    against what the cycle emitted and took."""
+    from fastmtp_sglang.decode.auto import AutoK, expected_tokens
+    real = AutoK.choose_hybrid
+
+    def choose_hybrid(self, heads, lookups, zero_run, deferred=0, once=0.0):
+        k, use = real(self, heads, lookups, zero_run, deferred, once)
+        if k:
+            tot, any_head = 0.0, False
+            for h, lk, take in zip(heads, lookups, use):
+                if take:
+                    tot += expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 1.0
+                else:
+                    any_head = True
+                    tot += expected_tokens(h, k)
+            ms = self.cycle_ms(k, len(heads), head_steps=any_head, deferred=deferred if any_head else 0, once=once)
+            CHOICES.append([len(heads), k, tot, ms, self.cycle_ms(0, len(heads)), any_head])
+        return k, use
+    AutoK.choose_hybrid = choose_hybrid
+
+
 def run(eng, prompts, clients, requests, tokens):
     """One closed-loop level; returns a dict of totals."""
     todo = [prompts[i % len(prompts)] for i in range(requests)]
@@ -53,8 +78,14 @@ def run(eng, prompts, clients, requests, tokens):
             waiting -= n
         t = time.perf_counter()
         rows_sum += len(b)
+        nc = len(CHOICES)
+        outs = {id(r): len(r.out) for r in b.rows}
+        rows = list(b.rows)
         done = eng.step(b)
-        t_step += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        t_step += dt
+        if len(CHOICES) > nc:  # a drafting cycle: what it emitted and took
+            CHOICES[-1] += [sum(len(r.out) - outs[id(r)] for r in rows), 1e3 * dt]
         cycles += 1
         for _, res in done:
             out_tok += len(res.output_ids)
@@ -74,6 +105,7 @@ def main():
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     a = ap.parse_args()
     torch.set_num_threads(2)
+    _spy_choices()
     target = load_target(str(materialize_smollm2()), dtype="bfloat16")
     D = shipped_head()
     head = load_head(str(D), target.embed, target.lm_head, dtype=target.model.dtype)
@@ -114,6 +146,18 @@ def main():
         print(f"{arm:>8}: median {statistics.median(x['tok_s'] for x in res[arm]):.1f} tok/s, "
               f"vs {names[0]} {statistics.median(rat):.3f} ({', '.join(f'{v:.3f}' for v in rat)})")
         e = engs[arm]
+        if arm == "auto":
+            from fastmtp_sglang.decode.auto import batch_class
+            by = {}
+            for c in CHOICES:
+                if len(c) == 8:
+                    by.setdefault((batch_class(c[0]), c[1], c[5]), []).append(c)
+            for key, cs in sorted(by.items()):
+                n = len(cs)
+                print(f"   class {key[0]:>2} K={key[1]} head={key[2]}: {n} cycles; tokens predicted "
+                      f"{sum(c[2] for c in cs):.0f} emitted {sum(c[6] for c in cs)}; ms predicted "
+                      f"{sum(c[3] for c in cs):.0f} took {sum(c[7] for c in cs):.0f}; K=0 priced "
+                      f"{sum(c[4] for c in cs) / n:.1f} ms a cycle")
         if e.auto is not None:
             print("   calib", {k: round(v, 2) for k, v in sorted(e.auto.calib.items(), key=str)})
 
