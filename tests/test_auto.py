@@ -5,6 +5,8 @@ machine where verification is expensive settles at K=0, probing now and then).""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -438,6 +440,7 @@ def test_the_heads_first_reading_of_prompts_is_priced_over_the_budget_left():
     assert auto.best(good) == 3
     assert auto.best(good, once=auto.once_ms(1600, 60)) == 3         # 2.7 ms a cycle: it pays
     assert auto.best(good, once=auto.once_ms(1600, 2)) == 0          # 80 ms a cycle: it does not
+    assert auto.choose(good, 0) == 3 and auto.choose(good, 0, once=80.0) == 0
     assert auto.choose_hybrid(good, [None, None], 0, once=auto.once_ms(1600, 2))[0] == 0
     assert auto.cycle_ms(0, 2, once=5.0) == auto.cycle_ms(0, 2)      # K=0 reads no prompt
     assert auto.cycle_ms(2, 2, head_steps=False, once=5.0) == auto.cycle_ms(2, 2, head_steps=False)
@@ -460,9 +463,51 @@ def test_the_engine_measures_and_prices_the_heads_first_reading_of_prompts(llama
     eng.auto._prompt_tok.clear()
     eng.auto._prompt_tok.append(0.5)                     # 0.5 ms a prompt token
     b = eng.start(reqs, [0, 1])                          # each has emitted its first token
-    assert eng._prompts_once(b.rows) == pytest.approx(0.5 * 7 / 19)  # budgets left 11, 19: 19
+    assert eng._prompts_once(b.rows) == pytest.approx(0.5 * 7 / 15)  # budgets left 11, 19
     b.rows[0].head_prompt = None
     assert eng._prompts_once(b.rows) == pytest.approx(0.5 * 2 / 19)
+    b.rows[1].req = Request([3, 4], SamplingParams(max_new_tokens=1))  # no budget left (aborted)
+    assert eng._prompts_once(b.rows) == 0.0
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["head", "hybrid"])
+@pytest.mark.parametrize("budget, drafts", [(200, True), (3, False)])
+def test_rows_near_the_end_of_their_budget_do_not_pay_for_the_heads_first_reading(llama, hybrid, budget, drafts):
+    """The engine's own choice (no forced plan): with the reading priced at 20 ms a prompt token
+    (7 tokens: ~3 plain cycles of FLAT), rows with 199 tokens left draft in their first cycle,
+    rows with 2 left decode at K=0."""
+    t, head, _ = llama
+    auto = AutoK(FLAT, 3, prior=0.9, calibrate=False)
+    auto._prompt_tok.append(20.0)
+    eng = ReferenceEngine(t, head, 3, auto=auto, drafter=NgramDrafter(max_ngram=4) if hybrid else None,
+                          hybrid=hybrid)
+    res = eng.generate([Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=budget)),
+                        Request([3, 4], SamplingParams(max_new_tokens=budget))])
+    assert (res[0].metrics.cycles[0].drafted > 0) == drafts
+
+
+def test_the_heads_first_reading_stays_out_of_the_cycles_calibration(llama, monkeypatch):
+    """The reading is priced apart (once_ms), so the cycle that pays it reports its time without
+    it to the calibration, and the reading's own time to observe_prompts."""
+    t, head, _ = llama
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=True))
+    plan = iter([2] * 100)
+    eng._choose = lambda b: next(plan)
+    real_cache = head.new_cache
+
+    def slow_cache(*a, **kw):  # the reading makes a cache of its own rows: 50 ms more
+        time.sleep(0.05)
+        return real_cache(*a, **kw)
+    cycles, prompts = [], []
+    real_cycle, real_prompts = eng.auto.observe_cycle, eng.auto.observe_prompts
+    monkeypatch.setattr(eng.auto, "observe_cycle", lambda k, b, ms, *a: cycles.append(ms) or real_cycle(k, b, ms, *a))
+    monkeypatch.setattr(eng.auto, "observe_prompts", lambda n, ms: prompts.append(ms) or real_prompts(n, ms))
+    b = eng.start([Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=8))], [0])
+    monkeypatch.setattr(head, "new_cache", slow_cache)
+    while len(b):
+        eng.step(b)
+    assert len(prompts) == 1 and prompts[0] >= 50.0
+    assert cycles and max(cycles) < 50.0
 
 
 def test_no_probes_where_the_batch_leaves_drafting_no_room():

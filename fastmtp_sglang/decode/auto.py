@@ -154,7 +154,8 @@ class AutoK:
     probe_budget : the fraction of the time spent at K=0 that probes may lose against plain
         decoding (a probe waits until the K=0 cycles since the last drafting one cover it)
     calibrate : scale each K's cost by what its cycles really took (``observe_cycle``), per
-        K and batch-size class (1, 2-3, 4-7, 8-15, ...); off for costs that are not this
+        K and batch-size class (1, 2-3, 4-7, 8-15, ...), and price the head's first reading of
+        prompts at what it took (``observe_prompts``); off for costs that are not this
         machine's (tests that impose a curve)
     margin : drafting must promise this much more throughput than K=0 to be chosen (a cycle's
         estimate is noisy, and K=0 is the arm that cannot lose to plain decoding)
@@ -298,13 +299,24 @@ class AutoK:
         token as measured here (:meth:`observe_prompts`; 0 before the first reading, so the
         first drafting cycle is not held back by a guess).
 
+        ``left`` bounds the cycles from above (one token a cycle); the choosers scale the share
+        by the tokens a row emits per cycle at each K (:meth:`_once_at`). Rows may still stop at
+        EOS before their budget, so the price errs towards drafting.
+
         Unpriced, a batch that had decoded at K=0 under load paid it in the first drafting
-        cycle as the load fell: at 16 clients (this session's Xeon) cycles at 2-4 rows took
+        cycle as the load fell: at 16 clients (design 6.7, AMX Xeon, 2026-12-02) cycles at 2-4 rows took
         121-231 ms for 1.3-1.4 tokens a row against ~32-60 ms for one at K=0, 80 ms of it the
         head reading the rows' prompts, for rows with a few tokens left to draft."""
         if not tokens or not self._prompt_tok:
             return 0.0
         return statistics.median(self._prompt_tok) * tokens / max(left, 1.0)
+
+    @staticmethod
+    def _once_at(once: float, tokens_per_row: float) -> float:
+        """``once`` (a share per cycle at one token a row, :meth:`once_ms`) for cycles that emit
+        ``tokens_per_row``: the rows then have that many times fewer cycles left to spread it
+        over."""
+        return once * max(tokens_per_row, 1.0)
 
     def observe_prompts(self, tokens: int, ms: float) -> None:
         """The head read ``tokens`` prompt positions in ``ms``."""
@@ -341,8 +353,9 @@ class AutoK:
 
     def best(self, ests: list[list[float]], deferred: int = 0, once: float = 0.0) -> int:
         """The K with the most expected tokens per ms for rows with these estimates."""
-        rate = [sum(expected_tokens(e, k) for e in ests)
-                / self.cycle_ms(k, len(ests), deferred=deferred, once=once)
+        B = len(ests)
+        tokens = [sum(expected_tokens(e, k) for e in ests) for k in range(self.kmax + 1)]
+        rate = [tokens[k] / self.cycle_ms(k, B, deferred=deferred, once=self._once_at(once, tokens[k] / B))
                 for k in range(self.kmax + 1)]
         rate[0] *= 1.0 + self.margin_at(len(ests))
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
@@ -368,16 +381,18 @@ class AutoK:
                   once: float = 0.0) -> bool:
         """After ``zero_run`` cycles at K=0: is a K=1 probe due? Not before ``probe_every`` of
         them, and not before ``probe_budget`` of their time covers what the probe is expected
-        to lose against plain decoding (its cycle, catch-up included, less the time K=0 takes
-        for the tokens the probe is expected to emit)."""
+        to lose against plain decoding (its cycle, catch-up and the share ``once`` of the head's
+        first reading of prompts included, less the time K=0 takes for the tokens the probe is
+        expected to emit). (In a hybrid batch the probe is priced as a head cycle even when
+        every row then takes prompt lookup: the dearer of the two.)"""
         if zero_run < self.probe_every:
             return False
         B = len(ests)
         if not self.room(B):
             return False
         plain = self.cycle_ms(0, B)
-        loss = (self.cycle_ms(1, B, deferred=deferred, once=once)
-                - plain * sum(expected_tokens(e, 1) for e in ests) / B)
+        e1 = sum(expected_tokens(e, 1) for e in ests) / B
+        loss = self.cycle_ms(1, B, deferred=deferred, once=self._once_at(once, e1)) - plain * e1
         return loss <= self.probe_budget * zero_run * plain
 
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
@@ -391,7 +406,9 @@ class AutoK:
         (the head's extend over its positions joins the catch-up of the next cycle that drafts
         with the head, over ``deferred`` positions). A cycle may also go without the head while
         some rows have no proposal: those verify nothing (True in the returned list for every
-        row; the engine knows a row without a proposal by its empty one)."""
+        row; the engine knows a row without a proposal by its empty one). A cycle that runs the
+        head also pays its share ``once`` of the head's first reading of prompts
+        (:meth:`once_ms`)."""
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin_at(B)), 0, [False] * B)  # K=0: a token per row
         for k in range(1, self.kmax + 1):
@@ -405,7 +422,8 @@ class AutoK:
                 any_head |= not take
                 total += el if take else eh
             # without head steps: the verify only (no draft steps, no extend, no catch-up yet)
-            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0, once=once)
+            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0,
+                               once=self._once_at(once, total / B))
             if total / ms > best[0]:
                 best = (total / ms, k, use)
             if any_head and any(els):

@@ -24,6 +24,7 @@ appends K + 1 slots per cycle, an attention mask hides rejected slots, and posit
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -347,14 +348,16 @@ class ReferenceEngine:
 
     def _prompts_once(self, rows: list[Row]) -> float:
         """auto: a head cycle's share of reading the prompts the head has not read yet (their
-        positions, spread over the cycles those rows have left at most: the median of their
-        remaining token budgets; AutoK.once_ms). 0 when every prompt has been read."""
+        positions, spread over the median of those rows' remaining token budgets: at one token
+        a cycle, the most cycles they have left; AutoK.once_ms). 0 when every prompt has been
+        read. Rows with no budget left (finishing, or aborted: the server sets their budget
+        to 0) are not counted: they will not draft."""
         unread = [(len(r.head_prompt[1]), r.req.params.max_new_tokens - len(r.out))
                   for r in rows if r.head_prompt is not None]
+        unread = [(n, left) for n, left in unread if left > 0]
         if not unread:
             return 0.0
-        left = sorted(n for _, n in unread)[len(unread) // 2]
-        return self.auto.once_ms(sum(n for n, _ in unread), left)
+        return self.auto.once_ms(sum(n for n, _ in unread), statistics.median(left for _, left in unread))
 
     def _draft(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
