@@ -282,6 +282,42 @@ def stops_paying(table: dict[str, dict[str, Any]], baseline: str = "0") -> dict[
     return out
 
 
+def against_best_static(table: dict[str, dict[str, Any]], arm: str = "auto",
+                        baseline: str = "0") -> dict[str, dict[str, Any]]:
+    """Per level, ``arm`` (an adaptive one) against the best static arm: {level: {"best": its
+    key, "best_speedup", "speedup" (``arm``'s), "vs_best" (arm / best - 1), "vs_baseline"
+    (arm's speedup - 1)}}, from the paired speedups over ``baseline`` (1.0 for the baseline
+    itself); levels where ``arm`` or every static arm lacks a speedup are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for lv in sorted(table, key=int):
+        mine = (table[lv].get(arm) or {}).get("speedup")
+        static = {a: (1.0 if a == baseline else s.get("speedup")) for a, s in table[lv].items() if a != arm}
+        static = {a: v for a, v in static.items() if v is not None}
+        if mine is None or not static:
+            continue
+        best = max(static, key=lambda a: static[a])
+        out[lv] = {"best": best, "best_speedup": static[best], "speedup": mine,
+                   "vs_best": mine / static[best] - 1.0, "vs_baseline": mine - 1.0}
+    return out
+
+
+# paired speedups whose repeats differ by more than this leave small differences between arms
+# unread (the committed AMX runs: 6-11%; a run on a VM with a noisy neighbour: 13-38%)
+SPREAD_WARN = 0.10
+
+
+def repeat_spread(table: dict[str, dict[str, Any]], baseline: str = "0") -> dict[str, dict[str, float]]:
+    """Per level: the baseline's output tokens/s across repeats ((max - min) / median) and the
+    widest spread of any arm's paired speedup."""
+    out: dict[str, dict[str, float]] = {}
+    for lv in sorted(table, key=int):
+        reps = (table[lv].get(baseline) or {}).get("output_tokens_per_s_repeats") or []
+        base = ((max(reps) - min(reps)) / statistics.median(reps)) if len(reps) > 1 and statistics.median(reps) else 0.0
+        sp = max((s.get("speedup_spread") or 0.0 for s in table[lv].values()), default=0.0)
+        out[lv] = {"baseline": base, "speedup": sp}
+    return out
+
+
 def _requests(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """The requests each level sent per arm: "26" or "26-80" (levels past ``per_level`` clients
     x ``per_client`` send more)."""
@@ -331,6 +367,25 @@ def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += ["", "Where speculation stops paying (lowest concurrency with speedup <= 1.00x):",
                   ""] + [f"- {a}: " + (f"concurrency {lv}" if lv is not None else
                                        "pays at every level measured") for a, lv in stop.items()]
+    best = against_best_static(table)
+    if best:
+        lines += ["", "auto against the best static arm at each level (paired speedups over K=0):", "",
+                  "| concurrency | best static arm | its speedup | auto | auto vs best | auto vs K=0 |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {lv} | {b['best']} | {b['best_speedup']:.2f}x | {b['speedup']:.2f}x | "
+                  f"{100 * b['vs_best']:+.1f}% | {100 * b['vs_baseline']:+.1f}% |" for lv, b in best.items()]
+    spread = repeat_spread(table)
+    if any(s["baseline"] or s["speedup"] for s in spread.values()):
+        lines += ["", "How far the repeats were apart ((max - min) / median): K=0's output tokens/s, and the "
+                  "widest of the arms' paired speedups:", ""]
+        lines += [f"- concurrency {lv}: K=0 {100 * s['baseline']:.0f}%, speedups {100 * s['speedup']:.0f}%"
+                  for lv, s in spread.items()]
+        noisy = [lv for lv, s in spread.items() if s["speedup"] > SPREAD_WARN]
+        if noisy:
+            lines += ["", f"**Noisy run**: an arm's paired speedup differs by more than "
+                      f"{100 * SPREAD_WARN:.0f}% between repeats at concurrency {', '.join(noisy)}; "
+                      "differences between arms smaller than the spread are not resolved there (rerun "
+                      "on an idle machine, or with more --repeats)."]
     return "\n".join(lines) + "\n"
 
 
