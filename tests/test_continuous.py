@@ -100,12 +100,12 @@ def test_prompts_prefilled_in_length_groups_get_their_alone_tokens(live_world, a
     try:
         got, _ = _staggered(eng, PROMPTS, N_NEW, schedule=[0, 0, 0, 2, 2, 2])
     finally:
-        eng.prefill_call_tokens = engine_mod.PREFILL_CALL_TOKENS
+        eng.prefill_call_tokens = batch_mod.PREFILL_CALL_TOKENS
     assert got == want
 
 
 def test_prefill_groups_cut_where_padding_costs_more_than_a_forward():
-    from fastmtp_sglang.decode.engine import prefill_groups
+    from fastmtp_sglang.decode.batch import prefill_groups
 
     assert prefill_groups([]) == [] and prefill_groups([7]) == [[0]]
     assert prefill_groups([10, 12, 11]) == [[0, 1, 2]]             # one forward beats three

@@ -231,14 +231,12 @@ class AutoK:
         at K=0 also runs the head's draft extend over those positions (the catch-up), and a
         cycle that runs the head pays ``once`` ms more: its share of the head's first reading
         of the rows' prompts (:meth:`once_ms`)."""
-        if k and head_steps and once:
-            return self.cycle_ms(k, batch, head_steps, deferred) + once
         ms = self._model_ms(k, batch, head_steps, deferred)
         # a K not yet seen at this batch class pays at least what K=0 was measured to pay there:
         # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
         # for it made drafting look cheap next to a calibrated K=0 under load)
         key = self._calib_key(k, batch, head_steps)
-        return ms * self.calib.get(key, self._inherited(key))
+        return ms * self.calib.get(key, self._inherited(key)) + (once if k and head_steps else 0.0)
 
     def _inherited(self, key: tuple) -> float:
         """What a (K, class[, "lookup"]) not yet calibrated starts from: K=0's ratio at its class

@@ -21,6 +21,32 @@ from fastmtp_sglang.decode.sampling import logits_to_probs, sample
 
 REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
 
+PREFILL_CALL_TOKENS = 128  # a forward's fixed cost, in prompt tokens (a plain step ~ 128-token prefill share)
+
+
+def prefill_groups(lengths: list[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
+    """Split prompts into the prefill forwards that cost least: a forward over n prompts is
+    padded to its longest, so it costs ``call_tokens + n * longest`` token-units. Prompts are
+    taken in length order and cut where that sum is smallest (dynamic programming over the
+    sorted lengths); returns the groups as lists of indices into ``lengths``, each in input
+    order. Prompts of 40..769 tokens prefilled as one padded batch computed 3.5x the tokens
+    they needed (the Spec-Bench dev prompts)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n   # best[j]: cheapest split of the j shortest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            c = best[i] + call_tokens + (j - i) * longest
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
 
 class Row:
     """Host-side bookkeeping of one request in flight. ``key`` is what ``on_tokens`` and the
