@@ -528,6 +528,14 @@ def test_no_probes_where_the_batch_leaves_drafting_no_room():
     auto.shared["lookup4"] = [0.95] * 3  # a source that could pay at 16 reopens the room
     auto._seen["lookup4"] = 1
     assert auto.room(16)
+    # ... for the hybrid's proposals, not for probes: a probe is a head cycle, and the head's
+    # own estimate still could not pay at 16 rows (while one row probes as before)
+    assert not auto.room(16, head_only=True) and auto.room(1, head_only=True)
+    assert not any(auto.probe_due(rows, zero_run=z) for z in range(8, 5000, 7))
+    assert all(auto.choose_hybrid(rows, [None] * 16, zero_run=z)[0] == 0 for z in range(8, 5000, 7))
+    assert auto.probe_due(rows[:1], zero_run=8)
+    auto.shared["head"] = [0.95] * 3  # a head that good could pay at 16: probes there again
+    assert auto.room(16, head_only=True)
 
 
 def _forced_hybrid(eng, plan, prompts, ref):

@@ -19,7 +19,8 @@ is not free where verification is not (at batch 16 a K=1 cycle costs ~1.6x a pla
 head's catch-up over the skipped positions), so it waits until the K=0 time since the last
 drafting cycle, times ``probe_budget``, covers what the probe is expected to lose against plain
 decoding: probes cost at most that fraction of the time spent at K=0; and it is not made at
-all at a batch size where even the best acceptance seen would not make drafting pay.
+all at a batch size where even the head's best average acceptance would not make a head cycle
+pay.
 Any K is lossless (every cycle is verified), so the choice changes speed, never the output.
 
 Costs come from :func:`fastmtp_sglang.decode.costs.measure` on the machine at hand, and are
@@ -358,15 +359,15 @@ class AutoK:
         rate[0] *= 1.0 + self.margin_at(len(ests))
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
 
-    def room(self, batch: int) -> bool:
+    def room(self, batch: int, head_only: bool = False) -> bool:
         """Could drafting beat K=0 at this batch size for rows as good as the best any draft
         source has been on average (the shared estimates, position by position)? Where it could
-        not, a probe cannot find anything worth drafting for and is not made: at 16 rows a K=1
-        cycle costs ~1.6x a plain one, so drafting there needs step-1 acceptance above ~0.6
-        in every row at once. With prompt lookup among the sources, drafting is priced at a
-        cycle without the head (its verify alone), so the bound stays optimistic; the hybrid
-        engine then skips the cycle's proposals too (ReferenceEngine._choose)."""
-        seen = {src: e for src, e in self.shared.items() if self._seen.get(src)}
+        not, the hybrid engine skips the cycle's proposals (ReferenceEngine._choose). With
+        prompt lookup among the sources, drafting is priced at a cycle without the head (its
+        verify alone), so the bound stays optimistic. ``head_only``: the head's own estimate,
+        priced as a head cycle: the question a probe asks (:meth:`probe_due`)."""
+        seen = {src: e for src, e in self.shared.items()
+                if self._seen.get(src) and (src == "head" or not head_only)}
         if not seen:  # nothing observed yet: the prior is no evidence against drafting
             return True
         best = [max(e[j] for e in seen.values()) for j in range(self.kmax)]
@@ -382,11 +383,18 @@ class AutoK:
         to lose against plain decoding (its cycle, catch-up and the share ``once`` of the head's
         first reading of prompts included, less the time K=0 takes for the tokens the probe is
         expected to emit). (In a hybrid batch the probe is priced as a head cycle even when
-        every row then takes prompt lookup: the dearer of the two.)"""
+        every row then takes prompt lookup: the dearer of the two.)
+
+        And not at a batch size where rows as good as the head's shared estimate could not make
+        a head cycle pay (:meth:`room`, ``head_only``): at 16 rows a K=1 cycle costs ~1.6x a
+        plain one, so drafting there needs step-1 acceptance above ~0.6 in every row at once.
+        Judged with prompt lookup's estimates too (priced as cycles without the head), the room
+        stayed open at 16 rows once 4-token matches had been accepted, and the head probes made
+        there took 1.6-2x a K=0 cycle for 1.35-1.46 tokens a row (AMX Xeon, 2026-12-03)."""
         if zero_run < self.probe_every:
             return False
         B = len(ests)
-        if not self.room(B):
+        if not self.room(B, head_only=True):
             return False
         plain = self.cycle_ms(0, B)
         e1 = sum(expected_tokens(e, 1) for e in ests) / B
