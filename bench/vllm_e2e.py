@@ -57,8 +57,11 @@ def vllm_worker(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    os.environ.update(job.get("env") or {})  # (before vLLM spawns its engine core)
     k = job["steps"]
     spec = ({"method": "eagle", "model": job["draft"], "num_speculative_tokens": k} if k else None)
+    if spec and job.get("k_per_batch_size"):  # vLLM's K per number of running requests
+        spec["num_speculative_tokens_per_batch_size"] = job["k_per_batch_size"]
     t = time.perf_counter()
     llm = LLM(model=job["target"], dtype=job["dtype"], speculative_config=spec,
               max_model_len=job["max_model_len"], enforce_eager=True, seed=0,
@@ -67,6 +70,8 @@ def vllm_worker(job: dict) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"])
     prompts = job["prompts"]
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0]["ids"])], sp, use_tqdm=False)  # warm-up
+    if job.get("together"):  # one generate call: the prompts run as one batch, each to its own length
+        return _together(llm, job, prompts, startup_s)
     rows = []
     for p in prompts:
         d0, a0 = _spec_counters(llm)
@@ -82,12 +87,37 @@ def vllm_worker(job: dict) -> dict:
     return {"steps": k, "dtype": job["dtype"], "startup_s": startup_s, "rows": rows}
 
 
+def _together(llm, job: dict, prompts: list[dict], startup_s: float) -> dict:
+    """The prompts in one ``generate`` call (one batch that shrinks as the shorter answers end;
+    ``max_new_tokens`` per prompt where it has one); the spec counters over the whole call."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sps = [SamplingParams(temperature=0, max_tokens=p.get("max_new_tokens", job["max_new_tokens"]))
+           for p in prompts]
+    d0, a0 = _spec_counters(llm)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts], sps, use_tqdm=False)
+    dt = time.perf_counter() - t
+    d1, a1 = _spec_counters(llm)
+    a0 = a0 + [0] * (len(a1) - len(a0))
+    rows = [{"id": p["id"], "output_ids": list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)]
+    res = {"steps": job["steps"], "dtype": job["dtype"], "startup_s": startup_s, "rows": rows,
+           "wall_s": dt, "drafts": d1 - d0, "accepted_per_pos": [x - y for x, y in zip(a1, a0)]}
+    if job.get("draft_kv_digest"):  # the draft's KV cache, slot for slot (needs the env below)
+        from fastmtp_sglang.vllm_models.k0 import draft_kv_digest
+
+        res["draft_kv_digest"] = llm.collective_rpc(draft_kv_digest)
+    return res
+
+
 def run_vllm(job: dict, workdir: Path) -> dict:
     """One engine in a fresh process (vLLM spawns its engine core; one LLM per process)."""
-    jpath, rpath = workdir / f"job-{job['dtype']}-{job['steps']}.json", workdir / "result.json"
+    tag = f"{job['dtype']}-{job['steps']}{job.get('tag', '')}"
+    jpath, rpath = workdir / f"job-{tag}.json", workdir / "result.json"
     jpath.write_text(json.dumps(job))
     rpath.unlink(missing_ok=True)
-    log = workdir / f"vllm-{job['dtype']}-k{job['steps']}.log"
+    log = workdir / f"vllm-{tag}.log"
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, __file__, "--out", str(workdir), "--worker",
                              str(jpath), str(rpath)],

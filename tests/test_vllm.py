@@ -200,3 +200,23 @@ def test_end_to_end_demo_target(tmp_path):
     assert s["drafts_vllm_same_output"] == s["cycles_reference_same_output"]
     assert s["accepted_per_pos_vllm_same_output"] == s["accepted_per_pos_reference_same_output"]
     assert s["tau_vllm_same_output"] == s["tau_reference_same_output"]
+
+
+@pytest.mark.slow
+def test_k0_steps_write_the_drafts_kv_only(tmp_path):
+    """vLLM with K per batch size ([1, 1, 3], [2, 256, 0]) on the demo target, three prompts in
+    one batch, the first answering longest: the K=0 steps of our draft write its KV cache only
+    (FASTMTP_VLLM_K0=kv) or run vLLM's whole draft forward (full). Outputs are K=0's in both
+    (fp32 greedy), and the first prompt, left alone, drafts over KV slots written at K=0 and
+    accepts exactly the same drafts at every position in both modes."""
+    pytest.importorskip("gguf", reason="the demo target needs gguf (launch/install_vllm_cpu.sh)")
+    out = tmp_path / "k0"
+    subprocess.run([sys.executable, str(REPO / "bench" / "vllm_k0_check.py"), "--out", str(out)],
+                   check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=1500)
+    s = json.loads((out / "results.json").read_text())["summary"]
+    assert s["kv_only_logged"] == {"kv": True, "full": False}  # each mode took its own path
+    assert s["kv_same_as_k0"] and s["full_same_as_k0"]
+    assert s["draft_kv_same"]  # the draft's whole KV cache, bit for bit
+    assert s["drafts"]["kv"] == s["drafts"]["full"] > 0
+    assert s["accepted_per_pos"]["kv"] == s["accepted_per_pos"]["full"]
+    assert sum(s["accepted_per_pos"]["kv"]) > 0

@@ -87,3 +87,18 @@ def test_cpu_build_preloads_intel_openmp_unless_ld_preload_is_set(tmp_path):
     assert cpu_preload({}, tmp_path, True, machine="x86_64", system="darwin") == {}
     lib.unlink()
     assert cpu_preload({}, tmp_path, True, **linux) == {}  # no runtime to preload
+
+
+def test_k0_mode_of_the_vllm_plugin(monkeypatch):
+    """$FASTMTP_VLLM_K0 (vllm_models/k0.py): kv by default, full on request, anything else a
+    clear error (raised at install, so vLLM stops at start with the message)."""
+    from fastmtp_sglang.vllm_models import k0
+
+    monkeypatch.delenv(k0.MODE_ENV, raising=False)
+    assert k0.mode() == "kv"
+    for value, want in (("full", "full"), (" KV ", "kv"), ("", "kv")):
+        monkeypatch.setenv(k0.MODE_ENV, value)
+        assert k0.mode() == want
+    monkeypatch.setenv(k0.MODE_ENV, "skip")
+    with pytest.raises(FastMTPError, match="use 'kv'.*or 'full'"):
+        k0.mode()

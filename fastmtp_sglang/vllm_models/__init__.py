@@ -19,9 +19,13 @@ MODEL_CLASS = "fastmtp_sglang.vllm_models.fastmtp:FastMTPForCausalLM"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: add the FastMTP draft class to vLLM's registry."""
+    """``vllm.general_plugins`` entry point: add the FastMTP draft class to vLLM's registry, and
+    make vLLM's K=0 steps write our draft's KV cache only (:mod:`fastmtp_sglang.vllm_models.k0`)."""
     from vllm import ModelRegistry
+
+    from fastmtp_sglang.vllm_models import k0
 
     for arch in (ARCHITECTURE, EAGLE_ARCHITECTURE):
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, MODEL_CLASS)
+    k0.install()

@@ -153,6 +153,31 @@ class FastMTPAttention(nn.Module):
         out, _ = self.o_proj(self.attn(q, k, v))
         return out
 
+    def can_write_kv_only(self) -> bool:
+        """Does this attention layer write its KV cache apart from attending (as vLLM's CPU
+        backend does), with a cache of its own? Then :meth:`write_kv` can run alone."""
+        attn = self.attn
+        return (not attn.attn_backend.forward_includes_kv_cache_update
+                and attn.kv_sharing_target_layer_name is None)
+
+    def write_kv(self, positions: torch.Tensor,  # [T]
+                 hidden_states: torch.Tensor,  # [T, H], normed
+                 ) -> None:
+        """Only the KV-cache write of :meth:`forward` (vLLM at K=0, vllm_models/k0.py): the
+        same keys and values, through the call vLLM's ``Attention.forward`` makes before it
+        attends."""
+        from vllm.model_executor.layers.attention import attention as vattn
+
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        _, k = self.rotary_emb(positions, q, k)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.attn.use_direct_call:
+            vattn.unified_kv_cache_update(k, v, self.attn.layer_name)
+        else:
+            torch.ops.vllm.unified_kv_cache_update(k, v, vattn._encode_layer_name(self.attn.layer_name))
+
 
 class FastMTPMLP(nn.Module):
     def __init__(self, cfg: HeadConfig, quant_config: QuantizationConfig | None, prefix: str):
@@ -185,6 +210,10 @@ class FastMTPDecoderLayer(nn.Module):
                                           prefix=f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = FastMTPMLP(cfg, quant_config, prefix=f"{prefix}.mlp")
+
+    def write_kv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """The block's KV-cache write alone (FastMTPAttention.write_kv)."""
+        self.self_attn.write_kv(positions, self.input_layernorm(hidden_states))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         residual = hidden_states
@@ -242,6 +271,16 @@ class FastMTPModel(nn.Module):
         x = self.layer(positions, x)
         return self.final_norm(x)  # [T, H]
 
+    def write_kv(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                 hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Input fusion and the block's KV-cache write, nothing after: returns the fused
+        input [T, H] (a stand-in for g that the proposer only indexes at K=0)."""
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.fuse(hidden_states.to(embeds.dtype), embeds)
+        self.layer.write_kv(positions, x)
+        return x
+
 
 class FastMTPForCausalLM(nn.Module):
     """The vLLM draft model class for a FastMTP draft directory (method ``eagle``)."""
@@ -278,6 +317,12 @@ class FastMTPForCausalLM(nn.Module):
                                "unset it to draft over the full vocabulary")
         self._table_rows: torch.Tensor | None = None  # [V', H] rows of the target's lm_head
         self._table_key: tuple | None = None
+        # set by vllm_models/k0.py around a K=0 step of vLLM's proposer: write the KV cache only
+        self.kv_only = False
+
+    def can_write_kv_only(self) -> bool:
+        """Can a K=0 step write this draft's KV cache without the rest of its forward?"""
+        return self.model.layer.self_attn.can_write_kv_only()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return self.model.embed_tokens(input_ids)
@@ -292,6 +337,9 @@ class FastMTPForCausalLM(nn.Module):
         Returns ``(g, g)``, each [T, H]: the EAGLE proposer takes a pair (what ``compute_logits``
         projects, what is fed back at the next step), and for a FastMTP head both are g.
         """
+        if self.kv_only:  # vLLM at K=0 (vllm_models/k0.py): only the KV cache is kept
+            x = self.model.write_kv(input_ids, positions, hidden_states, inputs_embeds)
+            return x, x
         g = self.model(input_ids, positions, hidden_states, inputs_embeds)
         return g, g
 
