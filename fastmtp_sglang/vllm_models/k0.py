@@ -57,9 +57,14 @@ def _our_model(proposer):
 def install() -> None:
     """Wrap vLLM's ``SpecDecodeBaseProposer.propose`` once per process (see the module doc)."""
     mode()  # a bad value stops vLLM at start, with the message, not at the first K=0 step
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    try:  # (vLLM 0.32's layout; another vLLM keeps its own K=0 forward rather than failing)
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    orig = SpecDecodeBaseProposer.propose
+        orig = SpecDecodeBaseProposer.propose
+    except (ImportError, AttributeError) as e:
+        logger.warning("fastmtp: this vLLM has no SpecDecodeBaseProposer.propose (%s); its K=0 "
+                       "steps run the draft's whole forward", e)
+        return
     if getattr(orig, "_fastmtp_k0", False):
         return
 
@@ -97,3 +102,11 @@ def draft_kv_digest(worker) -> str:
     cache = model.model.layer.self_attn.attn.kv_cache
     t = cache[0] if isinstance(cache, (list, tuple)) else cache
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def set_mode(worker, value: str) -> str:
+    """For measurements (``LLM.collective_rpc(set_mode, args=("full",))``, bench/vllm_k0_cost.py):
+    set ``$FASTMTP_VLLM_K0`` in a running vLLM worker, so both modes run in one process, their
+    steps interleaved; returns the mode now in force."""
+    os.environ[MODE_ENV] = value
+    return mode()
