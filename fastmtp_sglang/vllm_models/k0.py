@@ -6,8 +6,9 @@ drafter's whole forward over every token the target ran that step, "to keep the 
 in sync", and only then returns an empty draft (``v1/spec_decode/llm_base_proposer.py``,
 ``SpecDecodeBaseProposer.propose``). A later step that drafts reads those KV slots, so they must
 be written; the rest of that forward (attention over the context, ``o_proj``, the MLP, the final
-norm) is thrown away. On a 2-core CPU serving a 135M target the full forward made vLLM's table
-run 7-13% below vLLM without a draft from 4 requests on (design 6.8).
+norm) is thrown away. (On a 2-core CPU serving a 135M target vLLM's table ran 7-13% below vLLM
+without a draft from 4 requests on; measured since, KV-only and the full forward are not apart
+there: that cost is vLLM's per-step speculative machinery, bench/results/vllm_k0_cost/.)
 
 :func:`install` wraps ``propose`` so that at K=0 our draft class (``FastMTPForCausalLM``, the
 only model it touches) runs in *KV-only* mode: input fusion, the input norm, the K/V projection
