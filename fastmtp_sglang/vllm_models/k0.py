@@ -6,9 +6,10 @@ drafter's whole forward over every token the target ran that step, "to keep the 
 in sync", and only then returns an empty draft (``v1/spec_decode/llm_base_proposer.py``,
 ``SpecDecodeBaseProposer.propose``). A later step that drafts reads those KV slots, so they must
 be written; the rest of that forward (attention over the context, ``o_proj``, the MLP, the final
-norm) is thrown away. (On a 2-core CPU serving a 135M target vLLM's table ran 7-13% below vLLM
-without a draft from 4 requests on; measured since, KV-only and the full forward are not apart
-there: that cost is vLLM's per-step speculative machinery, bench/results/vllm_k0_cost/.)
+norm) is thrown away. (On a 2-core CPU serving a 135M target, side by side in one process: vLLM
+with the draft at K=0 ran 1.11x the wall of vLLM without one in KV-only, 1.14x with the full
+forward; the drafting call is 2.7% against 5.3% of a profiled step, the rest of the gap vLLM's
+zero-draft rejection sampler and per-step setup: bench/results/vllm_k0_cost/.)
 
 :func:`install` wraps ``propose`` so that at K=0 our draft class (``FastMTPForCausalLM``, the
 only model it touches) runs in *KV-only* mode: input fusion, the input norm, the K/V projection
