@@ -8,7 +8,10 @@ through their body, and one *poisoned* request that makes ``engine.generate`` ra
 injected into the server process, since the server's validation now refuses every known poison).
 The checks: no connection is reset, every good request gets exactly the answer it gets alone,
 bad ones get their 4xx, the poisoned one alone gets 500, disconnected requests are aborted, and
-memory does not grow from round 2 to round 3. Then a last round is cut by SIGTERM: every client
+memory does not grow from round 2 to round 3. In the rounds the poisoned request may join a
+running batch alone (then it fails alone at once), so a fourth poisoned request is held to join
+with a good one (a gated prefill in the server): the engine fails on the pair, the pair is re-run
+in halves, the good one gets its answer and only the poisoned one the 500. Then a last round is cut by SIGTERM: every client
 gets a final answer (a finished result, a stream ending in a final event and [DONE], or 503) and
 the process exits 0. A second server checks that Ctrl-C twice aborts at once and still exits 0.
 """
@@ -63,6 +66,24 @@ def target(self, *args, **kwargs):
     return _target(self, *args, **kwargs)
 
 _engine.ReferenceEngine._prefill, _engine.ReferenceEngine._target = prefill, target
+"""
+
+# Added to PRELUDE where a test must hold the worker: a prefill of the GATE prompt waits (up to
+# 30 s) until the file GATE_FLAG names exists, so requests sent meanwhile queue behind it and
+# join together when the test creates the file.
+GATE = [298, 298, 298, 298]
+GATE_PRELUDE = """
+import os as _os
+_ungated = _engine.ReferenceEngine._prefill
+
+def gated(self, requests, keys, on_tokens, *room):
+    if any(list(r.input_ids[:4]) == {gate!r} for r in requests):
+        deadline = time.monotonic() + 30
+        while not _os.path.exists({flag!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return _ungated(self, requests, keys, on_tokens, *room)
+
+_engine.ReferenceEngine._prefill = gated
 """
 
 
@@ -280,6 +301,29 @@ def wait_idle(url: str) -> dict:
     return wait_for(lambda i: i["requests_in_flight"] == 0 and i["admitted"] == 0, url)
 
 
+def poisoned_in_company(url: str, flag: Path, expected: dict) -> None:
+    """The poisoned request joins with a good one (held behind a gated prefill until both are
+    queued): the engine fails on the pair, the batch is re-run in halves, the good one gets its
+    greedy answer and only the poisoned one the 500."""
+    before = client.server_info(url)
+    prompt = PROMPTS[0]
+    with ThreadPoolExecutor(3) as pool:
+        gate = pool.submit(request, url, gen_body(GATE + [5, 6], GREEDY))
+        wait_for(lambda i: i["requests_in_flight"] - before["requests_in_flight"] == 1
+                 and i["queued"] == 0, url)  # the gate is in its prefill
+        pair = [pool.submit(request, url, gen_body(POISON + [5, 6], GREEDY)),
+                pool.submit(request, url, gen_body(TOKENIZED[prompt], GREEDY))]
+        wait_for(lambda i: i["queued"] == 2, url)  # both wait behind the gate
+        flag.touch()
+        poisoned, good = (f.result() for f in pair)
+        assert gate.result().status == 200, gate.result()
+    assert poisoned.status == 500 and "injected fault" in poisoned.body["error"]["message"], poisoned
+    assert good.status == 200 and good.body["output_ids"] == expected[prompt], good
+    info = wait_idle(url)
+    assert info["batches_retried"] - before["batches_retried"] == 1, info  # the pair was split
+    assert info["requests_failed"] - before["requests_failed"] == 1, info
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -297,8 +341,10 @@ def test_mixed_load_then_sigterm(llama_target, draft_dir, expected, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(llama_target.path))
     TOKENIZED.update({p: tok(p)["input_ids"] for p in PROMPTS})
     log = tmp_path / "server.log"
+    flag = tmp_path / "gate-open"
+    prelude = PRELUDE + GATE_PRELUDE.format(gate=GATE, flag=str(flag))
     with reference_server_process(server_args(llama_target.path, draft_dir, SHUTDOWN_S), log,
-                                  prelude=PRELUDE) as (url, proc):
+                                  prelude=prelude) as (url, proc):
         # what each seeded sampled request gives alone
         seeded = {p: request(url, gen_body(p, {**SAMPLED, "sampling_seed": SEEDS[p]})).body[
             "output_ids"] for p in PROMPTS}
@@ -316,7 +362,8 @@ def test_mixed_load_then_sigterm(llama_target, draft_dir, expected, tmp_path):
             assert info["requests_aborted"] - before["requests_aborted"] == n_gone
             assert info["requests_failed"] - before["requests_failed"] == len(BAD_400) + 1
             rss.append(rss_bytes(proc.pid))
-        assert info["batches_retried"] >= 1  # the poisoned request's batch was split
+        # (in the rounds the poison may join a running batch alone, and then fails alone at once)
+        poisoned_in_company(url, flag, expected)
         # memory: round 3 costs nothing round 2 did not (allowing allocator noise)
         assert rss[2] - rss[1] < 24 << 20, [r >> 20 for r in rss]
 
@@ -360,8 +407,9 @@ def test_mixed_load_then_sigterm(llama_target, draft_dir, expected, tmp_path):
     # the short ones finish in the drain window, which is too short for all the long ones
     assert outcomes["finished"] >= 1 and outcomes["aborted"] + outcomes["503"] >= 1, outcomes
     text = log.read_text()
-    # the only tracebacks are the injected fault's, one per round; none from the shutdown
-    assert text.count("Traceback") == text.count("\nRuntimeError: injected fault") == 3, text
+    # the only tracebacks are the injected fault's, one per poisoned request (3 rounds, then
+    # the one in company); none from the shutdown
+    assert text.count("Traceback") == text.count("\nRuntimeError: injected fault") == 4, text
     assert "fastmtp serve: SIGTERM" in text and "fastmtp serve: stopped:" in text, text
     print(f"rss per round (MiB): {[r >> 20 for r in rss]}; SIGTERM round: {outcomes}, "
           f"exit after {elapsed:.1f} s")
