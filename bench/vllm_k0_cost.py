@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     from fastmtp_sglang.core.demo_target import materialize_smollm2
+    from fastmtp_sglang.core.hardware import cpu_flags, cpu_model
     from fastmtp_sglang.core.prompts import load_prompts, render_chat
     from fastmtp_sglang.vllm_models.k0 import set_mode
 
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     first = arms[0]
     ratios = {a: [w / b for w, b in zip(walls[a], walls[first])] for a in arms[1:]}
     res = {
+        "command": "python " + " ".join(sys.argv), "cpu": {"model": cpu_model(), "flags": sorted(
+            f for f in cpu_flags() if f.startswith(("avx", "amx")) or f == "fma")},
         "batch": args.batch, "tokens": args.tokens, "rounds": args.rounds, "arms": arms,
         "profiled": args.profile, "walls_s": walls,
         "median_s": {a: statistics.median(w) for a, w in walls.items()},

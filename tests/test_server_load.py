@@ -11,9 +11,10 @@ bad ones get their 4xx, the poisoned one alone gets 500, disconnected requests a
 memory does not grow from round 2 to round 3. In the rounds the poisoned request may join a
 running batch alone (then it fails alone at once), so a fourth poisoned request is held to join
 with a good one (a gated prefill in the server): the engine fails on the pair, the pair is re-run
-in halves, the good one gets its answer and only the poisoned one the 500. Then a last round is cut by SIGTERM: every client
-gets a final answer (a finished result, a stream ending in a final event and [DONE], or 503) and
-the process exits 0. A second server checks that Ctrl-C twice aborts at once and still exits 0.
+in halves, the good one gets its answer and only the poisoned one the 500. Then a last round is
+cut by SIGTERM: every client gets a final answer (a finished result, a stream ending in a final
+event and [DONE], or 503) and the process exits 0. A second server checks that Ctrl-C twice
+aborts at once and still exits 0.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def target(self, *args, **kwargs):
 _engine.ReferenceEngine._prefill, _engine.ReferenceEngine._target = prefill, target
 """
 
-# Added to PRELUDE where a test must hold the worker: a prefill of the GATE prompt waits (up to
-# 30 s) until the file GATE_FLAG names exists, so requests sent meanwhile queue behind it and
-# join together when the test creates the file.
+# Added to PRELUDE (formatted with the GATE ids and a flag file's path) where a test must hold the
+# worker: a prefill of the GATE prompt waits (up to 30 s) until the flag file exists, so requests
+# sent meanwhile queue behind it and join together when the test creates the file.
 GATE = [298, 298, 298, 298]
 GATE_PRELUDE = """
 import os as _os
