@@ -1,15 +1,22 @@
-"""Self-distillation throughput on CPU: response tokens/s of the in-process slot generator at
-several batch sizes and of the HTTP path (`fastmtp serve --engine reference` + `fastmtp distill
---url`), side by side in one process, same prompts, same sampling (T=0.6, top-p 0.95, top-k 20).
+"""Self-distillation throughput on CPU: response tokens/s of distill's in-process generator (the
+serving engine at K=0 fed from a queue, ``decode/generator.py``) at several batch sizes, and of
+the HTTP path (`fastmtp serve --engine reference` + `fastmtp distill --url`), side by side in one
+process, same prompts, same sampling (T=0.6, top-p 0.95, top-k 20).
 
     python bench/distill_throughput.py --out bench/results/distill_throughput \\
         --batches 1,16,32,64 --http-batch 16 --max-new-tokens 256
 
 Each configuration first runs an untimed warm-up (a few prompts), then generates for
-``prompts_per_slot x batch`` prompts (at least ``--min-prompts``) of the shipped training set, so
-every batch size is measured with its batch full for most of the run. Tokens/s counts every
-generated token (kept or not) over the wall time of the run. Nothing else should run meanwhile
-(docs/design.md section 6); the script records the load average before and after.
+``prompts_per_slot x batch`` requests (at least ``--min-prompts``) of the shipped training set, so
+every batch size is measured with its batch full for most of the run; ``--samples N`` makes
+those N seeded samples of each prompt (as distill's ``--n``: copies admitted together share a
+prefill). ``--rounds R`` repeats every in-process configuration R times, in an order rotated
+each round, and reports the median. Tokens/s counts every generated token (kept or not) over
+the wall time of the run. Nothing else should run meanwhile (docs/design.md section 6); the
+script records the load average before and after and the CPU.
+
+``--engines slots`` measured the retired second batcher (``decode/batch_gen.py``, removed after
+commit 5c1a7b0e: check that commit out to run it).
 """
 
 from __future__ import annotations
@@ -34,12 +41,26 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(render_chat(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
 
 
-def run_local(target, ids: list[list[int]], batch: int, max_new: int) -> dict:
-    from fastmtp_sglang.decode.batch_gen import GenRequest, SlotGenerator
+def run_local(target, ids: list[list[int]], batch: int, max_new: int, engine: str,
+              samples: int = 1) -> dict:
     from fastmtp_sglang.decode.sampling import SamplingParams
 
+    if engine == "slots":  # the retired batcher (see the module docstring)
+        from fastmtp_sglang.decode.batch_gen import GenRequest, SlotGenerator
+
+        def worker(sub):
+            return SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).worker()
+    else:
+        from fastmtp_sglang.decode.engine import ReferenceEngine
+        from fastmtp_sglang.decode.generator import GenRequest, QueueGenerator
+
+        eng = ReferenceEngine(target, None, 0)
+
+        def worker(sub):
+            return QueueGenerator(eng, batch).worker()
+
     def go(sub):
-        w = SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).worker()
+        w = worker(sub)
         t0 = time.perf_counter()
         futs = [w.submit(GenRequest(x, SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
                                                       max_new_tokens=max_new, seed=i)))
@@ -47,13 +68,15 @@ def run_local(target, ids: list[list[int]], batch: int, max_new: int) -> dict:
         w.close()
         w.run()  # on this (the main) thread: see GenWorker
         toks = sum(len(f.result().output_ids) for f in futs)
-        return toks, time.perf_counter() - t0, w.gen.steps
+        return toks, time.perf_counter() - t0
 
-    go(ids[: min(len(ids), max(2, batch // 4))])  # warm-up: shapes, allocator, threads
-    toks, secs, steps = go(ids)
-    return {"engine": f"in-process, batch {batch}", "batch": batch, "prompts": len(ids),
-            "tokens": toks, "seconds": round(secs, 1), "tokens_per_s": round(toks / secs, 1),
-            "decode_steps": steps}
+    reqs = [x for x in ids for _ in range(samples)]
+    go(reqs[: min(len(reqs), max(2, batch // 4))])  # warm-up: shapes, allocator, threads
+    toks, secs = go(reqs)
+    name = "engine at K=0 (decode/generator.py)" if engine == "queue" else "slot batcher (batch_gen.py, retired)"
+    return {"engine": f"{name}, batch {batch}" + (f", {samples} samples a prompt" if samples > 1 else ""),
+            "generator": engine, "batch": batch, "samples": samples, "prompts": len(reqs),
+            "tokens": toks, "seconds": round(secs, 1), "tokens_per_s": round(toks / secs, 1)}
 
 
 def run_http(target_dir: str, n: int, batch: int, max_new: int, dtype: str, tmp: Path) -> dict:
@@ -116,10 +139,18 @@ def main() -> int:
     ap.add_argument("--prompts-per-slot", type=int, default=3)
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--engines", default="queue",
+                    help="in-process generators, comma-separated: queue (the engine, today's) "
+                         "and slots (the retired batcher)")
+    ap.add_argument("--samples", type=int, default=1, help="seeded samples of each prompt")
+    ap.add_argument("--rounds", type=int, default=1, help="repeats of every in-process configuration")
     args = ap.parse_args()
+
+    import statistics
 
     import torch
 
+    from fastmtp_sglang.core.hardware import cpu_summary
     from fastmtp_sglang.core.target import load_target
 
     if args.target is None:
@@ -130,11 +161,20 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
+    configs = [(e, int(b)) for b in args.batches.split(",") for e in args.engines.split(",")]
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        for e, b in (order if r % 2 == 0 else order[::-1]):
+            n = max(args.min_prompts, args.prompts_per_slot * b // args.samples)
+            runs[(e, b)].append(run_local(target, prompts(target.tokenizer, n), b,
+                                          args.max_new_tokens, e, args.samples))
+            print(runs[(e, b)][-1], flush=True)
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
-        n = max(args.min_prompts, args.prompts_per_slot * b)
-        rows.append(run_local(target, prompts(target.tokenizer, n), b, args.max_new_tokens))
-        print(rows[-1], flush=True)
+    for c in configs:
+        med = sorted(runs[c], key=lambda x: x["tokens_per_s"])[len(runs[c]) // 2]
+        rows.append(dict(med, rounds=[x["tokens_per_s"] for x in runs[c]],
+                         median_tokens_per_s=statistics.median(x["tokens_per_s"] for x in runs[c])))
     if args.http_batch:
         import tempfile
 
@@ -142,24 +182,27 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             rows.append(run_http(args.target, n, args.http_batch, args.max_new_tokens, args.dtype, Path(tmp)))
         print(rows[-1], flush=True)
-    base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and "in-process" in r["engine"]), None)
+    base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and r.get("generator") == "queue"), None)
     meta = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
             "target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "sampling": "T=0.6, top-p 0.95, top-k 20, one seed per prompt",
-            "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": cpu_summary(),
+            "rounds": args.rounds, "samples": args.samples,
             "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# Self-distillation throughput (CPU)", "", f"Command: `{meta['command']}`", "",
              f"Target `{Path(args.target).name}` in {args.dtype}, {meta['cpus']} CPUs, "
              f"{meta['threads']} torch threads; {meta['sampling']}; up to {args.max_new_tokens} "
              f"new tokens; load average {load_before[0]:.2f} before, "
-             f"{meta['load_avg_after'][0]:.2f} after.", "",
-             "| engine | prompts | response tokens | seconds | tokens/s | vs batch 1 |",
-             "|---|---|---|---|---|---|"]
+             f"{meta['load_avg_after'][0]:.2f} after. CPU: {meta['cpu']}. Median of "
+             f"{args.rounds} round(s), configurations rotated each round.", "",
+             "| generator | requests | response tokens | seconds | tokens/s (median) | each round | vs batch 1 |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
+        each = ", ".join(str(x) for x in r.get("rounds", [r["tokens_per_s"]]))
         lines.append(f"| {r['engine']} | {r['prompts']} | {r['tokens']} | {r['seconds']} | "
-                     f"{r['tokens_per_s']} | {rel} |")
+                     f"{r['tokens_per_s']} | {each} | {rel} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

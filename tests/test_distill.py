@@ -471,6 +471,33 @@ def test_in_process_equals_server(server, target_dir, tmp_path):
     assert sampled[0][0]["sampling_params"]["temperature"] == 0.6
 
 
+def test_a_temperature_per_sample_index_resumes_and_extends(target_dir, tmp_path):
+    """--temperature 0.6,0: sample k uses item k mod 2 (sample 1 greedy, equal to the target's
+    own greedy answer); a file written with n=2 and a single 0.6 resumes under the list as long as
+    its samples' temperatures agree, and n=4 adds exactly samples 2 and 3; a list that disagrees
+    with what the file holds is refused."""
+    kw = dict(target=str(target_dir), batch_size=4, dtype="float32", max_repeat_fraction=1.0, limit=2)
+    first = make_cfg(None, target_dir, tmp_path, out="mix.jsonl", **{**kw, "n": 1, "temperature": 0.6})
+    distill(first, log=lambda s: None)
+    mixed = make_cfg(None, target_dir, tmp_path, out="mix.jsonl", **{**kw, "n": 4, "temperature": (0.6, 0.0)})
+    stats = distill(mixed, log=lambda s: None)
+    rows = {r["id"]: r for r in read_lines(Path(mixed.out))}
+    assert stats.already_done == 2
+    for rid, r in rows.items():
+        k = int(rid.rpartition("#")[2])
+        assert r["sampling_params"]["temperature"] == (0.6, 0.0)[k % 2]
+    greedy = make_cfg(None, target_dir, tmp_path, out="greedy.jsonl", **{**kw, "n": 1, "temperature": 0.0})
+    distill(greedy, log=lambda s: None)
+    for g in read_lines(Path(greedy.out)):  # greedy sample 1 (and 3, if kept) = the greedy answer
+        pid = g["prompt_id"]
+        assert rows[f"{pid}#1"]["response_ids"] == g["response_ids"]
+    wrong = make_cfg(None, target_dir, tmp_path, out="mix.jsonl", **{**kw, "n": 4, "temperature": (0.0, 0.6)})
+    with pytest.raises(FastMTPError, match="other sampling settings.*temperature"):
+        distill(wrong, log=lambda s: None)
+    with pytest.raises(FastMTPError, match="--temperature must be >= 0"):
+        make_cfg(None, target_dir, tmp_path, **{**kw, "temperature": (0.6, -1.0)})
+
+
 def server_target(url: str) -> str:
     return client.server_info(url)["model_path"]
 
@@ -498,28 +525,28 @@ def test_in_process_interrupt_leaves_a_resumable_file(target_dir, tmp_path):
     import os
     import signal
 
-    from fastmtp_sglang.decode import batch_gen
+    from fastmtp_sglang.decode.engine import ReferenceEngine
 
     kw = dict(target=str(target_dir), batch_size=2, dtype="float32", temperature=0.0, n=2,
               max_repeat_fraction=1.0)
     whole = make_cfg(None, target_dir, tmp_path, out="whole.jsonl", **kw)
     distill(whole, log=lambda s: None)
     cfg = make_cfg(None, target_dir, tmp_path, out="cut.jsonl", **kw)
-    real = batch_gen.SlotGenerator.decode
+    real = ReferenceEngine.step
     calls = {"n": 0}
 
-    def decode(self, *a, **k):  # a real Ctrl-C, sent once a few steps have run
+    def step(self, *a, **k):  # a real Ctrl-C, sent once a few cycles have run
         calls["n"] += 1
         if calls["n"] == 12:
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, *a, **k)
 
-    batch_gen.SlotGenerator.decode = decode
+    ReferenceEngine.step = step
     try:
         with pytest.raises(KeyboardInterrupt):
             distill(cfg, log=lambda s: None)
     finally:
-        batch_gen.SlotGenerator.decode = real
+        ReferenceEngine.step = real
     part = read_lines(Path(cfg.out))  # every line parses
     stats = json.loads(Path(cfg.out + ".stats.json").read_text())
     assert stats["aborted"] == "interrupted"

@@ -19,11 +19,20 @@ def test_deterministic_and_every_kind():
     assert a == b
     assert synth_prompts(SMALL, seed=4) != a
     for kind in KINDS:
-        rows = [r for r in a if r["id"].startswith(f"synth-{kind}-")]
+        rows = [r for r in a if r["id"].startswith(f"synth-s3-{kind}-")]
         assert len(rows) == SMALL[kind] and all(r["source"].startswith(f"synth:{kind}:") for r in rows)
     assert len({r["id"] for r in a}) == len(a)
     assert any("Chinese" in r["prompt"] for r in a if "translate" in r["id"])
     assert all(r["prompt"].strip() for r in a)
+
+
+def test_seeds_name_their_ids_so_files_can_be_distilled_together():
+    """Seed 0 keeps the shipped ids (synth-<kind>-NNNN); another seed's ids carry it, so two
+    files never share an id (distill refuses a prompt id used twice)."""
+    zero, one = synth_prompts(SMALL, seed=0), synth_prompts(SMALL, seed=1)
+    assert all(r["id"].split("-")[1] in KINDS for r in zero)
+    assert all(r["id"].startswith("synth-s1-") and r["id"].split("-")[2] in KINDS for r in one)
+    assert not {r["id"] for r in zero} & {r["id"] for r in one}
 
 
 def test_no_overlap_with_evaluation_and_valid_rows(tmp_path):

@@ -28,6 +28,16 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, stop)
 
 
+def _temperatures(text: str) -> float | tuple[float, ...]:
+    """``--temperature``: one number, or a comma-separated list of them."""
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list of numbers, "
+                                         f"got {text!r}") from None
+    return vals[0] if len(vals) == 1 else vals
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = DistillConfig(
         url=args.url, prompts=args.prompts, out=args.out, tokenizer=args.tokenizer,
@@ -77,7 +87,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-name", default=None, help="the target's identity written to each line "
                    "(default: the server's model_path)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
-    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 = greedy")
+    p.add_argument("--temperature", type=_temperatures, default=0.6,
+                   help="sampling temperature; 0 = greedy. A comma-separated list gives one per "
+                        "sample index: sample k of a prompt uses item k mod its length (e.g. "
+                        "--n 8 --temperature 0.6,0.6,0.6,0.6,0.8,1.0,0,0.9: one greedy answer per "
+                        "prompt, the rest sampled)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=20, help="top-k tokens; -1 = off")
     p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit in tokens")

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(out)
-    by = {k: sum(1 for r in rows if r["id"].startswith(f"synth-{k}-")) for k in KINDS}
+    by = {k: sum(1 for r in rows if r["source"].split(":")[1] == k) for k in KINDS}
     print(f"wrote {len(rows)} prompts to {out}: " + ", ".join(f"{k} {v}" for k, v in by.items()))
     return 0
 

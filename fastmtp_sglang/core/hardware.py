@@ -43,6 +43,13 @@ def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
+def cpu_summary() -> str:
+    """The CPU's model name and the vector / matrix flags that decide what pays on it
+    (avx*, amx*, fma): what every committed timing names."""
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f == "fma")
+    return f"{cpu_model()} ({' '.join(flags) or 'no avx/amx flags'})"
+
+
 def fast_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU has native bf16 matmul units."""
     flags = cpu_flags() if flags is None else flags

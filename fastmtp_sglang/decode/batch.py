@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.decode.metrics import RequestMetrics
-from fastmtp_sglang.decode.sampling import logits_to_probs, sample
+from fastmtp_sglang.decode.sampling import logits_to_probs, sample, sample_rows
 
 REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
 
@@ -144,6 +144,14 @@ class Batch:
         probs = logits_to_probs(logits.float(), self.temp, self.top_p, self.top_k)
         toks = torch.cat([sample(probs[i:i + 1], g) for i, g in enumerate(self.gens)])
         return toks, probs
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's own token for each row (no draft to verify: a prompt's first token, a
+        K=0 cycle): logits [n, V] -> tokens [n], each row from its own distribution and
+        generator, top-k rows without a sort of the vocabulary (sampling.sample_rows)."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return sample_rows(logits, [r.req.params for r in self.rows], self.gens)
 
     def draft_pick(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's output hidden g [n, H] -> (draft tokens [n], q [n, V] or None)."""

@@ -130,6 +130,9 @@ class ReferenceEngine:
         # its max batch): it then copies itself once, not at every doubling
         self.rows_hint = 0
         self._prompts_s = 0.0  # seconds of this cycle spent in _head_prompts
+        # what a cycle, a catch-up and the head's reading of prompts are timed with (auto's
+        # calibration reads them): time is an input, tests put a clock they advance here
+        self.clock: Callable[[], float] = time.perf_counter
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -184,7 +187,13 @@ class ReferenceEngine:
         """``start``, with room in the target's cache for ``rows`` rows (a batch others join)."""
         for r in requests:
             self.validate(r)
-        groups = prefill_groups([len(r.input_ids) for r in requests], self.prefill_call_tokens) or [[]]
+        # copies of one prompt (n samples of it) are grouped as one: _prefill reads it once
+        first: dict[tuple[int, ...], int] = {}
+        same = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]
+        uniq = sorted(first.values())
+        groups = [sorted(i for i, f in enumerate(same) if f in {uniq[u] for u in g})
+                  for g in prefill_groups([len(requests[i].input_ids) for i in uniq],
+                                          self.prefill_call_tokens)] or [[]]
         # the first group's cache is made with room for every group: merging them copies nothing
         room = (max(len(requests), rows), max((len(r.input_ids) for r in requests), default=0) + SLACK)
         parts = [self._prefill([requests[i] for i in g], [keys[i] for i in g], on_tokens,
@@ -210,7 +219,7 @@ class ReferenceEngine:
         done = self._collect(b)
         if done or not len(b):  # answer those first: a cycle that raises must not lose them
             return done
-        t = time.perf_counter()
+        t = self.clock()
         self._prompts_s = 0.0  # the head's first reading of prompts in this cycle (_head_prompts)
         # near the context limit a row may verify only what fits (the rest of its drafts are
         # ignored, see _verify), and no cycle drafts more than its roomiest row can use
@@ -218,8 +227,8 @@ class ReferenceEngine:
         deferred = b.deferred_positions()  # what the head catches up on if this cycle drafts
         drafts, qs, Kc = self._draft(b, min(self._choose(b), int(room.max())))
         _sync(self.device)
-        t_draft = time.perf_counter() - t
-        t = time.perf_counter()
+        t_draft = self.clock() - t
+        t = self.clock()
         room = room.clamp(max=Kc)                          # drafts each row may accept
         if self.hybrid and Kc:  # a row with no proposal in a cycle without the head: nothing
             none = [j for j, (take, _, toks) in enumerate(b.plan) if take and not toks]
@@ -227,11 +236,11 @@ class ReferenceEngine:
                 room[none] = 0
         vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc, room)
         _sync(self.device)
-        t_verify = time.perf_counter() - t
-        t = time.perf_counter()
+        t_verify = self.clock() - t
+        t = self.clock()
         bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
         _sync(self.device)
-        t_draft += time.perf_counter() - t
+        t_draft += self.clock() - t
         if self.auto is not None:  # what this cycle really cost, against the curve
             head_steps = not self._head_idle(b, Kc)  # (at K=0 the curve has no head share)
             # (less the head's first reading of prompts: priced apart, AutoK.once_ms)
@@ -258,9 +267,22 @@ class ReferenceEngine:
         ar = torch.arange(L, device=dev)
         b.valid = ar[None] < lens[:, None]                    # [B, slots] target KV slots in use
         b.cache = SlotCache(*room)  # in-place slots (decode/slot_cache.py)
-        hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
+        # rows with the same prompt (n samples of one prompt): the target reads it once, and the
+        # copies take that row's keys and values and hidden states
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]
+        if len(first) < B:
+            uniq = sorted(first.values())
+            u = torch.tensor(uniq, device=dev)
+            hidden, feats = self._target(ids[u], ar[None].expand(len(u), L), b.valid[u].long(), b.cache)
+            pick = torch.tensor([uniq.index(j) for j in src], device=dev)            # [B]
+            b.cache.take_rows(pick)
+            feats = hidden[pick] if feats is hidden else feats[pick]
+            hidden = hidden[pick]
+        else:
+            hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
-        b.pending, _ = b.pick(self.target.lm_head(last_h).float())        # [B]
+        b.pending = b.sample(self.target.lm_head(last_h).float())         # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
         if b.use_head:
             # draft extend over the prompt: (h_i, x_{i+1}) at position i; x_n is `pending`
@@ -407,7 +429,10 @@ class ReferenceEngine:
         vh, vf = self._target(vin, vpos, b.valid.long(), b.cache)                     # [n, Kc+1, H]
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
         cap = room.tolist()
-        if b.greedy:
+        if Kc == 0 and not b.greedy:  # nothing to verify: each row samples its next token
+            emitted = b.sample(tlogits[:, 0])[:, None]                               # [n, 1]
+            acc = torch.zeros(n, dtype=torch.long, device=dev)
+        elif b.greedy:
             acc, emitted = verify_greedy(drafts, tlogits)
             if min(cap) < Kc:  # the emitted prefix is the target's argmax: cut it at the cap
                 acc = torch.minimum(acc, room)
@@ -485,7 +510,7 @@ class ReferenceEngine:
         rows = [r for r in b.rows if r.head_prompt is not None]
         if not rows:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         dev = self.device
         for group in prefill_groups([len(r.head_prompt[1]) for r in rows], self.prefill_call_tokens):
             part = [rows[i] for i in group]
@@ -506,7 +531,7 @@ class ReferenceEngine:
             for r in part:
                 r.head_prompt = None
         _sync(dev)
-        spent = time.perf_counter() - t0
+        spent = self.clock() - t0
         self._prompts_s += spent  # (step keeps it out of the cycle's calibration)
         self.auto.observe_prompts(sum(len(r.req.input_ids) for r in rows), 1e3 * spent)
 
@@ -518,14 +543,14 @@ class ReferenceEngine:
         self._head_prompts(b)
         if not b.deferred:
             return
-        t, z = time.perf_counter(), b.deferred_positions()
+        t, z = self.clock(), b.deferred_positions()
         vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
         ge = self._head(vh, ids, pos, b.dcache)
         b.g = ge[:, -1]
         b.deferred = []
         if self.auto is not None:  # what a catch-up over z positions costs here, for its price
             _sync(self.device)
-            self.auto.observe_catch_up(len(b), z, 1e3 * (time.perf_counter() - t))
+            self.auto.observe_catch_up(len(b), z, 1e3 * (self.clock() - t))
 
     def _advance(self, b: Batch, acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
                  drafted: list[int], t_draft: float, t_verify: float, on_tokens) -> None:
@@ -603,7 +628,18 @@ class ReferenceEngine:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _emit(self, r: Row, new: list[int], on_tokens) -> None:
-        """Append a cycle's tokens to a row, cutting at EOS / stop strings / max_new_tokens."""
+        """Append a cycle's tokens to a row, cutting at EOS / stop strings / max_new_tokens.
+
+        Stop strings are looked for in the text of the new tokens and of enough tokens before
+        them: a match that ends in the new tokens (an earlier one would have ended an earlier
+        cycle) has at most ``longest - 1`` characters before them, so the window goes back until
+        the earlier tokens' text has ``longest`` whole characters (one more: the first token of
+        a window may decode short, a SentencePiece leading space dropped, a byte-level token cut
+        mid-character into U+FFFD). It starts at as many tokens as the longest stop string has
+        UTF-8 bytes (most tokens decode to a byte or more) and doubles while tokens that decode
+        to nothing (special ones) leave it short. A cycle so decodes about K+1 tokens plus that
+        window twice, not the whole output (which had made each cycle of a long request with a
+        stop list cost O(its length))."""
         if r.finish is not None:
             return
         p = r.req.params
@@ -620,14 +656,18 @@ class ReferenceEngine:
             if len(r.out) >= p.max_new_tokens:
                 r.finish = {"type": "length", "length": len(r.out)}
                 break
-        if p.stop and (r.finish is None or r.finish["type"] == "length"):
-            text = self._decode(r.out)
+        if p.stop and (r.finish is None or r.finish["type"] == "length") and len(r.out) > start:
+            longest = max(len(s) for s in p.stop)
+            w = max(0, start - max(len(s.encode("utf-8", "surrogatepass")) for s in p.stop))
+            while w > 0 and len(self._decode(r.out[w:start]).lstrip("\ufffd")) < longest:
+                w = max(0, start - 2 * (start - w))  # the window's start
+            text = self._decode(r.out[w:])
             hit = [s for s in p.stop if s in text]
             if hit:
                 # keep the shortest output whose text contains a stop string
-                while len(r.out) > max(start, 1) and any(s in self._decode(r.out[:-1]) for s in hit):
+                while len(r.out) > max(start, 1) and any(s in self._decode(r.out[w:-1]) for s in hit):
                     r.out.pop()
-                text = self._decode(r.out)
+                text = self._decode(r.out[w:])
                 s = min(hit, key=lambda s: text.find(s) if s in text else len(text))
                 r.finish = {"type": "stop", "matched": s, "matched_str": s}
         if on_tokens is not None and len(r.out) > start:

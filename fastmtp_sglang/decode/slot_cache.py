@@ -119,6 +119,17 @@ class SlotLayer(DynamicLayer):
             self._v[d, :, :n] = self._v[s, :, :n]
         self._b = rows
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        """The batch becomes rows ``index`` [m] of this one (a row may be taken several times:
+        copies of one prompt share its prefill); grows the buffers' rows if m needs it."""
+        m = int(index.shape[0])
+        k, v = self._k[: self._b][index], self._v[: self._b][index]   # (gathered first: copies)
+        if m > self._k.shape[0]:
+            self._k = self._k.new_zeros(m, *self._k.shape[1:])
+            self._v = self._v.new_zeros(m, *self._v.shape[1:])
+        self._k[:m], self._v[:m] = k, v
+        self._b = m
+
     def prepare_append(self, other: "SlotLayer", rows: int = 0, slots: int = 0) -> None:
         """Room for ``other``'s rows after this batch's (allocates; changes no filled slot).
         Buffers that must grow grow to at least ``rows`` rows / ``slots`` slots (a hint: the
@@ -208,6 +219,11 @@ class SlotCache(DynamicCache):
             a.prepare_append(b, rows, slots)
         for a, b in zip(mine, theirs):
             a.append_rows(b)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Every layer's batch becomes its rows ``index`` [m] (repeats allowed)."""
+        for layer in self._slot_layers():
+            layer.take_rows(index)
 
     def repack(self, order: torch.Tensor) -> None:
         """Each row's slots become its slots in ``order`` [B, width] (gathered for every layer

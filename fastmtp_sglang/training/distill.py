@@ -13,10 +13,10 @@ fastmtp_sglang.cli.prompt_files`` the folder holding spec_bench.jsonl. The non-c
 files, AlpacaEval's instructions and the C-Eval sample, are in the source repository only, at
 bench/train_prompts/ and bench/data/)
 
-Two engines, one output format. ``--target`` generates in this process with
-``fastmtp_sglang.decode.batch_gen`` (a static KV cache of ``--batch-size`` slots, refilled as rows
-finish; each sample seeded as below, sampling from exactly the distribution the server samples
-from; greedy output token-identical to the server's in fp32). ``--url`` sends ``/generate``
+Two engines, one output format. ``--target`` generates in this process through the serving
+engine at K=0 (``fastmtp_sglang.decode.generator``: ``--batch-size`` rows decoding together,
+refilled as rows finish; each sample seeded as below, sampling from exactly the distribution the
+server samples from; greedy output token-identical to the server's in fp32). ``--url`` sends ``/generate``
 requests to a server (``fastmtp serve`` or SGLang).
 
 The chat template is applied here, with the target's tokenizer (``--tokenizer``, else the
@@ -85,7 +85,7 @@ from fastmtp_sglang.training.distill_filters import Excluder, ResponseFilter, ev
 from fastmtp_sglang.training.distill_io import (atomic_write, check_resume, load_jsonl_repair,
                                                 rejected_path, stats_path)
 from fastmtp_sglang.training.distill_loop import ResultWriter, run_jobs
-from fastmtp_sglang.training.distill_prompts import plan_jobs, read_prompts_tolerant
+from fastmtp_sglang.training.distill_prompts import SAMPLE_SEP, plan_jobs, read_prompts_tolerant
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,7 +105,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     stats.engine = backend.describe
     records, rejected = _read_output(out, stats, log)
     base_sp = cfg.sampling_params()
-    check_resume(records, base_sp, target, out, lambda text: render_chat(tokenizer, text, cfg.system))
+    check_resume(records, lambda rec: cfg.sampling_params(_sample_index(rec)), target, out,
+                 lambda text: render_chat(tokenizer, text, cfg.system))
     filt = ResponseFilter(cfg.max_repeat_fraction, cfg.drop_truncated)
     for r in records:
         filt.remember(str(r.get("prompt_id")), str(r.get("response", "")))
@@ -129,6 +130,12 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
                            "the same command to resume")
     return stats
+
+
+def _sample_index(rec: dict) -> int:
+    """The sample index k of an output record (its id is ``<prompt id>#<k>``); 0 when absent."""
+    tail = str(rec.get("id", "")).rpartition(SAMPLE_SEP)[2]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _select_prompts(cfg: DistillConfig, stats: Stats, log: Callable[[str], None]) -> list[Prompt]:

@@ -25,7 +25,9 @@ class DistillConfig:
     tokenizer: str | None = None
     target_name: str | None = None
     n: int = 1
-    temperature: float = 0.6
+    # one value, or one per sample index: sample k of a prompt uses temperature[k % len] (a mix
+    # of temperatures, greedy (0) included, in one resumable file)
+    temperature: float | tuple[float, ...] = 0.6
     top_p: float = 0.95
     top_k: int = 20
     max_new_tokens: int = 512
@@ -42,9 +44,15 @@ class DistillConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        temps = tuple(self.temperature) if isinstance(self.temperature, (list, tuple)) else (self.temperature,)
+        if len(temps) == 1:
+            self.temperature = temps[0]
+        else:
+            self.temperature = temps
         checks = [
             (self.n >= 1, f"--n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
+            (bool(temps) and all(t >= 0 for t in temps),
+             f"--temperature must be >= 0 (or a comma-separated list of such), got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must lie in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"--top-k must be -1 (off) or >= 1, got {self.top_k}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
@@ -64,9 +72,14 @@ class DistillConfig:
             if not ok:
                 raise FastMTPError(msg)
 
-    def sampling_params(self) -> dict[str, Any]:
-        """What every request sends, less its ``sampling_seed``."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+    def temperature_of(self, index: int) -> float:
+        """The temperature of sample ``index`` of a prompt."""
+        t = self.temperature
+        return float(t[index % len(t)]) if isinstance(t, tuple) else float(t)
+
+    def sampling_params(self, index: int = 0) -> dict[str, Any]:
+        """What the request for sample ``index`` of a prompt sends, less its ``sampling_seed``."""
+        return {"temperature": self.temperature_of(index), "top_p": self.top_p, "top_k": self.top_k,
                 "max_new_tokens": self.max_new_tokens}
 
 

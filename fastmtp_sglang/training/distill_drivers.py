@@ -1,7 +1,7 @@
 """The engines `fastmtp distill` generates with: a server over HTTP (``/generate`` requests with
 retries, ``--concurrency`` of them at once on a thread pool) or the target in this process
-(fastmtp_sglang.decode.batch_gen's slot generator, ``--batch-size`` rows at once). Both answer a
-job with a Future of a server-shaped reply."""
+(the serving engine at K=0 fed from a queue, fastmtp_sglang.decode.generator, ``--batch-size``
+rows at once). Both answer a job with a Future of a server-shaped reply."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def request_with_retries(url: str, job: Job, retries: int, backoff: float, timeo
 
 
 # ----------------------------------------------------------------------------------------------
-# engines: a server over HTTP, or the in-process slot generator
+# engines: a server over HTTP, or the serving engine in this process
 # ----------------------------------------------------------------------------------------------
 
 class Backend:
@@ -101,7 +101,8 @@ class HttpBackend(Backend):
 
 
 class LocalBackend(Backend):
-    """The target in this process, ``batch_size`` rows decoding at once (fastmtp_sglang.decode.batch_gen)."""
+    """The target in this process, ``batch_size`` rows decoding at once through the serving
+    engine at K=0 (fastmtp_sglang.decode.generator)."""
 
     def __init__(self, cfg: DistillConfig, log: Callable[[str], None]):
         from fastmtp_sglang.core.target import load_target
@@ -118,15 +119,20 @@ class LocalBackend(Backend):
         self.on_main_thread = True
 
     def prepare(self, jobs: list[Job]) -> None:
-        from fastmtp_sglang.decode.batch_gen import SlotGenerator, kv_cache_bytes
+        from fastmtp_sglang.decode.batch import REPACK_SLACK
+        from fastmtp_sglang.decode.engine import ReferenceEngine
+        from fastmtp_sglang.decode.generator import QueueGenerator, kv_cache_bytes
+        from fastmtp_sglang.decode.slot_cache import SLACK
 
         if not jobs:
             return
         max_pos = int(self.t.config.get("max_position_embeddings", 4096))
-        # positions per slot: the longest prompt of the run plus the response (a longer prompt
-        # than the context is refused per request by the generator)
+        # positions a row may hold: the longest prompt of the run plus the response, plus the
+        # cache's free room and the holes a running batch carries before it repacks
+        # (decode/slot_cache.py, decode/batch.py); a prompt longer than the context is refused
+        # per request by the engine
         max_len = min(max_pos, max(len(j.prompt_ids) for j in jobs) + self.cfg.max_new_tokens + 1)
-        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len,
+        need = kv_cache_bytes(self.t.model.config, self.cfg.batch_size, max_len + SLACK + REPACK_SLACK,
                               next(self.t.model.parameters()).element_size())
         avail = _available_memory()
         if avail is not None and need > 0.7 * avail:
@@ -134,9 +140,11 @@ class LocalBackend(Backend):
                 f"the KV cache for --batch-size {self.cfg.batch_size} x {max_len} positions needs "
                 f"{need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB are available: lower "
                 "--batch-size or --max-new-tokens")
-        self.gen = SlotGenerator(self.t, self.cfg.batch_size, max_len)
-        self.log(f"fastmtp distill: {self.cfg.batch_size} slots x {max_len} positions, KV cache "
-                 f"{self.gen.cache_bytes / 2**30:.2f} GiB")
+        engine = ReferenceEngine(self.t, None, 0)
+        self.gen = QueueGenerator(engine, self.cfg.batch_size)
+        self.log(f"fastmtp distill: {self.cfg.batch_size} rows through the reference engine at K=0 "
+                 f"(prepared weights {'on' if engine.packed else 'off'}, lean forward "
+                 f"{'on' if engine.lean is not None else 'off'}), KV cache up to {need / 2**30:.2f} GiB")
         self.worker = self.gen.worker()  # run() on the main thread, see distill_loop.run_jobs
 
     def run(self) -> None:
@@ -144,7 +152,7 @@ class LocalBackend(Backend):
             self.worker.run()
 
     def submit(self, job: Job) -> Future:
-        from fastmtp_sglang.decode.batch_gen import GenRequest
+        from fastmtp_sglang.decode.generator import GenRequest
         from fastmtp_sglang.decode.sampling import SamplingParams
 
         outer: Future = Future()

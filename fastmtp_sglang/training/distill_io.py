@@ -75,9 +75,12 @@ def load_jsonl_repair(path: Path, required: tuple[str, ...] = ("id",)) -> tuple[
     return records, dropped
 
 
-def check_resume(records: list[dict], sampling: dict[str, Any], target: str, out: Path,
-                 render: Callable[[str], str] | None = None) -> None:
+def check_resume(records: list[dict], sampling: dict[str, Any] | Callable[[dict], dict[str, Any]],
+                 target: str, out: Path, render: Callable[[str], str] | None = None) -> None:
     """Refuse to append to a file written with other settings or for another target.
+
+    ``sampling``: the settings every record should have, or ``sampling(record)`` -> the settings
+    that record's sample should have (a temperature per sample index).
 
     ``render(prompt) -> templated text``: this run's chat template and system message; a record
     whose ``prompt_text`` differs was written with another ``--system`` (or template)."""
@@ -89,7 +92,8 @@ def check_resume(records: list[dict], sampling: dict[str, Any], target: str, out
                     f"{rec.get('prompt_id')!r} was rendered differently): use another --out, or "
                     "the same --system to resume")
         sp = rec.get("sampling_params") or {}
-        diff = {k: (sp.get(k), sampling[k]) for k in RESUME_KEYS if sp.get(k) != sampling[k]}
+        want = sampling(rec) if callable(sampling) else sampling
+        diff = {k: (sp.get(k), want[k]) for k in RESUME_KEYS if sp.get(k) != want[k]}
         if diff:
             what = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
             raise FastMTPError(f"{out} was written with other sampling settings ({what}); "

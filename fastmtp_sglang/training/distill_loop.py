@@ -168,7 +168,7 @@ def run_jobs(cfg: DistillConfig, backend: Backend, jobs: list[Job], writer: Resu
 
     if backend.on_main_thread:
         # the in-process generator computes on this thread (the fast one on CPU: see
-        # batch_gen.GenWorker); submitting and writing run beside it on a thread of their own
+        # decode.generator.GenWorker); submitting and writing run beside it on a thread of their own
         failure: list[BaseException] = []
 
         def driver() -> None:

@@ -103,6 +103,7 @@ def plan_jobs(cfg: DistillConfig, prompts: list[Prompt], tokenizer, base_sp: dic
                 continue
             if ids is None:
                 ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            sp = {**base_sp, "sampling_seed": sample_seed(cfg.seed, p.id, k)}
+            sp = {**base_sp, "temperature": cfg.temperature_of(k),
+                  "sampling_seed": sample_seed(cfg.seed, p.id, k)}
             jobs.append(Job(p, k, text, ids, sp))
     return jobs

@@ -210,9 +210,12 @@ def synth_prompts(counts: dict[str, int], seed: int = 0) -> list[dict[str, str]]
     rng = random.Random(seed)
     passages = _passages(rng)
     rows = []
+    # ids name the seed (seed 0 keeps the shipped file's ids), so files made with other seeds
+    # can be distilled beside it
+    prefix = "synth" if seed == 0 else f"synth-s{seed}"
     for kind in KINDS:
         n = counts.get(kind, 0)
         for i, (origin, prompt) in enumerate(BUILDERS[kind](random.Random(f"{seed}:{kind}"), n, passages)):
-            rows.append({"id": f"synth-{kind}-{i:04d}", "source": f"synth:{kind}:{origin}", "prompt": prompt})
+            rows.append({"id": f"{prefix}-{kind}-{i:04d}", "source": f"synth:{kind}:{origin}", "prompt": prompt})
     rng.shuffle(rows)  # kinds interleaved: a prefix of the file is a mix
     return rows

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Grow the demo target's self-distilled data (bench/train_data/) from 1.36M response tokens
+# towards >= 6M: 8 samples per prompt instead of 4 (temperatures 0.6 x4, 0.8, 1.0, greedy, 0.9:
+# sample k of a prompt uses item k of the list), and 2,600 more synthesised task prompts
+# (`fastmtp synth-prompts --seed 1`: maths and code weighted up, where the head trails prompt
+# lookup). The first four samples of the shipped prompts are the committed data: restored, not
+# regenerated. Long: ~4.6M new response tokens, hours on 2 CPU cores; stop it any time (Ctrl-C or
+# `kill`): every line written is whole, and the same command resumes where it stopped. Then
+#   python bench/train_data.py pack runs/data-v3 --note "..."
+# commits the progress.
+#
+#   bash bench/pipelines/grow_data.sh [WORKDIR]         (default runs/data-v3)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W=${1:-runs/data-v3}
+BATCH=${BATCH:-64}
+BIN=${BIN:-.venv/bin}
+TEMPS=${TEMPS:-0.6,0.6,0.6,0.6,0.8,1.0,0,0.9}
+mkdir -p "$W"
+
+T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
+
+# the prompts: the shipped mix in its committed order (as demo_pipeline.sh builds it), then the
+# new synthesised prompts, shuffled among themselves
+P=fastmtp_sglang/data/train_prompts
+[[ -f $W/synth-s1.jsonl ]] || "$BIN/fastmtp" synth-prompts --seed 1 --rag 500 --summarize 300 \
+    --translate 300 --math 900 --code 600 --out "$W/synth-s1.jsonl"
+[[ -f $W/prompts-v3.jsonl ]] || "$BIN/python" - "$W/prompts-v3.jsonl" "$W/synth-s1.jsonl" \
+    bench/train_prompts/alpaca_eval_instructions.jsonl "$P/self_instruct_seed.jsonl" "$P/synth_tasks.jsonl" <<'EOF'
+import random, sys
+out, new, *files = sys.argv[1:]
+rows = [line for f in files for line in open(f, encoding="utf-8") if line.strip()]
+random.Random(0).shuffle(rows)   # = demo_pipeline.sh's prompts-mix.jsonl
+extra = [line for line in open(new, encoding="utf-8") if line.strip()]
+random.Random(1).shuffle(extra)
+open(out, "w", encoding="utf-8").writelines(rows + extra)
+EOF
+
+# the committed data (restored once; a rerun appends to it)
+if [[ ! -f $W/distill.jsonl ]]; then
+    "$BIN/python" bench/train_data.py restore "$W"
+fi
+
+# (the committed rows name the target by the demo cache path of the machine that made them)
+"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v3.jsonl" \
+    --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
+    --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
+    --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl"
