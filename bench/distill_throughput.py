@@ -16,7 +16,7 @@ the wall time of the run. Nothing else should run meanwhile (docs/design.md sect
 script records the load average before and after and the CPU.
 
 ``--engines slots`` measured the retired second batcher (``decode/batch_gen.py``, removed after
-commit 5c1a7b0e: check that commit out to run it).
+commit 7e8d130: check that commit out to run it).
 """
 
 from __future__ import annotations
