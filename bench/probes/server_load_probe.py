@@ -3,7 +3,7 @@
 every call (rows, K of the cycle, ms), then prints per arm the joins (count, seconds, prompts per
 join), the cycles by batch-size class and K (count, median ms) and what the cycles emitted.
 
-    python bench/server_load_probe.py --concurrency 16 --steps 0,auto --per-client 5 \
+    python bench/probes/server_load_probe.py --concurrency 16 --steps 0,auto --per-client 5 \
         --limit-per-category 2 --max-new-tokens 64 --repeats 2 --out /tmp/probe
 
 Every flag after the script's name goes to ``fastmtp bench`` as is (``--engine reference``,

@@ -1,7 +1,7 @@
 """Plain decoding against `auto` on one engine batch of B rows (no server, no joins): the demo
 target in bf16 with the shipped head, B Spec-Bench dev prompts x 64 tokens, two rounds.
 
-    python bench/auto_batch_probe.py 16 0,auto
+    python bench/probes/auto_batch_probe.py 16 0,auto
 
 Prints per arm the prefill, the cycles, the wall time and the median full-batch cycle; for auto
 the K it drafted per row-cycle, how many took prompt lookup, and its calibration per (K, batch

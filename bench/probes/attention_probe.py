@@ -6,7 +6,7 @@ calls now), and, for reference, the written-out maths (bf16 matmuls, softmax in 
 4, 16; 311 and 800 slots; 1, 2 and 4 queries per row (a plain step, verifies); fp32 and bf16.
 Per-call medians, interleaved; max difference of each against the GQA call. Idle machine.
 
-    python bench/attention_probe.py --out bench/results/attention_probe
+    python bench/probes/attention_probe.py --out bench/results/attention_probe
 """
 
 from __future__ import annotations

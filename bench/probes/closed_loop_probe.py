@@ -3,7 +3,7 @@ prompt as soon as its previous answer finishes, driven the way the reference ser
 the engine (joins between cycles, up to C rows). Times joins and cycles apart, per arm, so an
 arm's loss under load can be split into prefill (joins), cycles and bookkeeping.
 
-    python bench/closed_loop_probe.py --clients 16 --requests 80 --arms 0,auto,auto0 --rounds 3
+    python bench/probes/closed_loop_probe.py --clients 16 --requests 80 --arms 0,auto,auto0 --rounds 3
 
 Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt lookup), ``auto``
 (the hybrid auto engine), ``auto0`` (the same engine with a margin no drafting can beat: what

@@ -3,12 +3,13 @@ given (any `fastmtp bench` arguments) with timers around the reference engine's 
 choice of K, draft, verify, draft extend, catch-up, bookkeeping, joins and leaves of the batch)
 and the server's join and cycle, and prints the seconds and calls of each per arm at exit.
 
-    python bench/phase_probe.py --engine reference --target T --draft D --steps 0,auto \\
+    python bench/probes/phase_probe.py --engine reference --target T --draft D --steps 0,auto \\
         --concurrency 16 --prompts bench/data/spec_bench.jsonl --limit-per-category 2 \\
         --max-new-tokens 64 --repeats 1 --out /tmp/phases
 
 The timers cost microseconds per call; the totals include the untimed warm-up level. Compare
-arms within one run (design 6.4). Behind README's per-phase account of auto at 16 clients.
+arms within one run (design 6.4). Behind docs/design.md section 6.8's per-phase account of auto
+at 16 clients.
 """
 import atexit
 import collections

@@ -1,7 +1,7 @@
 """One table over several `fastmtp bench` result folders (tau and speedup per K), plus a plot.
 
-    python bench/summarize_results.py bench/results/smollm2-init bench/results/smollm2-vanilla \
-        bench/results/smollm2-fastmtp-k3 --out bench/results/summary
+    python bench/probes/summarize_results.py bench/results/summary/smollm2-init bench/results/summary/smollm2-vanilla \
+        bench/results/summary/smollm2-fastmtp-k3 --out bench/results/summary
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a join and a leave cost a running batch of 15 rows (demo target, bf16, shipped head):
 K=0 (no head) against the auto engine held at K=0 (the head's cache rides along), two rounds.
 
-    python bench/join_leave_probe.py
+    python bench/probes/join_leave_probe.py
 
 Prints the prefill of one request alone, ``join`` of one request into the batch (its prefill +
 merge), and ``remove`` of one row (index select of every cache). Direction only: one call each.

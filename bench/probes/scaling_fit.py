@@ -1,6 +1,6 @@
 """How far is tau(K=3) = 2.2? A power law through the learning-curve points of one recipe.
 
-    python bench/scaling_fit.py --recipe bench/results/ablation/ablation.json:kl-lr3e-3 \
+    python bench/probes/scaling_fit.py --recipe bench/results/ablation/ablation.json:kl-lr3e-3 \
         --recipe bench/results/head_demo/curve.json:fastmtp \
         --reference bench/results/curve_demo/curve.json:fastmtp --out bench/results/head_demo
 
@@ -70,7 +70,7 @@ def main() -> int:
     (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
 
     lines = [f"# What the learning curve says about tau = {args.goal}", "",
-             "Command: `python bench/scaling_fit.py " + " ".join(
+             "Command: `python bench/probes/scaling_fit.py " + " ".join(
                  [f"--recipe {s}" for s in args.recipe] + [f"--reference {s}" for s in args.reference]
                  + [f"--goal {args.goal}", f"--out {args.out}"]) + "`", "",
              "Fit: tau - 1 = a * tokens^b through the recipe's points (optimizer steps grow with the "

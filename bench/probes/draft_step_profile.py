@@ -2,7 +2,7 @@
 compressed table, the argmax, and the draft extend, timed separately (medians over many calls,
 after warm-up), plus a torch.profiler table of one step. Nothing else should run meanwhile.
 
-    python bench/draft_step_profile.py [--head DIR] [--vocab TABLE.pt] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
+    python bench/probes/draft_step_profile.py [--head DIR] [--vocab TABLE.pt] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def med_ms(fn, n: int = 200, warm: int = 20) -> float:
