@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastmtp_sglang.kernels.compressed_head import compressed_head_torch
 from fastmtp_sglang.vocab.draft_vocab import DraftVocab
-from kernels.compressed_head import compressed_head_torch
 from test_engine import random_head, tiny_target
 from test_engine_vocab import make_vocab
 
