@@ -482,7 +482,9 @@ def reference_server_process(args: list[str], log_path: Path, startup_s: float =
     faults into the engine); the process is then ``python -c`` instead of ``python -m``."""
     from fastmtp_sglang.serving import client
 
-    cli = ["serve", "--engine", "reference", "--host", "127.0.0.1", "--port", "0", *args]
+    # --dtype float32 (serve defaults to auto): the tests compare greedy output with the fp32 oracle
+    cli = ["serve", "--engine", "reference", "--host", "127.0.0.1", "--port", "0", "--dtype",
+           "float32", *args]
     if prelude is None:
         cmd = [sys.executable, "-m", "fastmtp_sglang", *cli]
     else:

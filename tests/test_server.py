@@ -830,7 +830,8 @@ def test_serve_steps_auto_reference_and_sglang_flags(world, tmp_path, capsys):
     target, draft, tok, model = world
     args = build_parser().parse_args(["serve", "--engine", "reference", "--target", str(target),
                                       "--draft", str(draft), "--steps", "auto", "--auto-max-steps",
-                                      "3", "--port", "0", "--max-batch", "2"])
+                                      "3", "--port", "0", "--max-batch", "2",
+                                      "--dtype", "float32"])
     srv = build_reference_server(args)
     try:
         assert srv.engine.auto is not None and srv.engine.steps == 3 and srv.engine.hybrid

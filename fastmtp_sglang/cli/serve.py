@@ -21,6 +21,10 @@ in flight ``--shutdown-timeout`` seconds, aborts the rest with a final answer an
 
 A draft whose recorded base model (config or tokenizer hash, see `fastmtp inspect --target`)
 is not this target is refused; ``--allow-base-mismatch`` serves it anyway.
+
+``--dtype auto`` (the default, as in `fastmtp demo` and `fastmtp bench`) is bfloat16 on CUDA and
+on CPUs with bf16 units, float32 elsewhere; the start line says which. ``--dtype float32`` gives
+greedy output bit-equal to the target's own greedy decoding (bf16 can part from it at near-ties).
 """
 
 from __future__ import annotations
@@ -53,6 +57,34 @@ def pick_engine(requested: str) -> tuple[str, str]:
     except Exception as exc:  # ImportError, or a broken install failing inside its import
         return "reference", f"CUDA is available but `import sglang` failed ({type(exc).__name__}: {exc})"
     return "sglang", "CUDA is available and sglang imports"
+
+
+def pick_dtype(requested: str, device: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(dtype name, the start line that says it) for ``--dtype`` on ``device``.
+
+    ``auto``: bfloat16 on CUDA and on CPUs with bf16 units, float32 elsewhere
+    (core.hardware.auto_dtype_name; ``flags``: the CPU's, read from /proc/cpuinfo when None).
+    Only float32 keeps speculative greedy output bit-equal to the target's own greedy decoding:
+    a bf16 forward over several positions rounds differently from one position at a time, so
+    a near-tie can tip (docs/design.md section 6.3)."""
+    from fastmtp_sglang.core.hardware import auto_dtype_name
+
+    if requested == "auto":
+        name = auto_dtype_name(device, flags)
+        if str(device).startswith("cuda"):
+            why = "auto: CUDA"
+        elif name == "bfloat16":
+            why = "auto: this CPU has bf16 units"
+        else:
+            why = "auto: no bf16 units on this CPU, where emulated bf16 is slower than fp32"
+    else:
+        name, why = requested, "asked for with --dtype"
+    if name == "float32":
+        exact = "greedy output bit-equal to the target's own greedy decoding"
+    else:
+        exact = ("greedy output can part from the target's own greedy decoding at near-ties; "
+                 "--dtype float32 gives output bit-equal to it")
+    return name, f"fastmtp serve: dtype {name} ({why}); {exact}"
 
 
 def _extra_args(rest: list[str]) -> list[str]:
@@ -268,6 +300,10 @@ def _run(args: argparse.Namespace) -> int:
     args.engine = engine
     if engine != "reference":
         default_draft(args)
+    if engine in ("reference", "vllm"):  # SGLang takes its own --dtype, after `--`
+        device = args.device if engine == "reference" else "cuda" if cuda_available() else "cpu"
+        args.dtype, line = pick_dtype(args.dtype, device)
+        print(line, flush=True)
     if engine == "sglang":
         return run_sglang(args, extra + sglang_auto_args(args))
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
@@ -317,9 +353,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default the draft's own tables if it lists any, else full; full; auto "
                         "(the draft's tables, else the shipped ones for the target's tokenizer); "
                         "or table files. SGLang's global --speculative-token-map can go after `--`")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
-                   help="reference engine: weights dtype (default float32, where greedy output "
-                        "is exactly the target's; auto = bfloat16 on CPUs with bf16 units or CUDA)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights dtype of the reference engine and of vLLM (default auto: "
+                        "bfloat16 on CUDA and on CPUs with bf16 units (avx512_bf16, AMX), "
+                        "float32 elsewhere; the start line says which); float32 = greedy output "
+                        "bit-equal to the target's own greedy decoding. SGLang: give its own "
+                        "--dtype after `--`")
     p.add_argument("--device", default="cpu", help="reference engine: torch device (default cpu)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="reference engine: most requests run as one batch (default 8)")
