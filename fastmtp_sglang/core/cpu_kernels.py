@@ -11,9 +11,14 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 
 - :func:`available`: the kernel is built with the system's C compiler on first use
   (``gcc -O3 -fopenmp``, linked against the libgomp PyTorch loaded; about a second) and cached
-  under ``<cache>/kernels/`` by the hash of the source, the compiler and that runtime (``<cache>``: ``$FASTMTP_CACHE`` or ``~/.cache/fastmtp``); False, with
-  :func:`unavailable_reason`, on a CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel
-  cannot be built or the OS refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``.
+  under ``<cache>/kernels/`` (``<cache>``: ``$FASTMTP_CACHE`` or ``~/.cache/fastmtp``) by the
+  hash of the source, the compiler, its flags and that runtime. The folder is made with mode
+  0700 and refused when another user owns it or group or others may write it; the library's
+  sha256 is stored beside it and checked before every load (a mismatch is rebuilt, never
+  loaded). False, with :func:`unavailable_reason` (a build failure or a refused folder is also
+  logged, once), on a CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel cannot be
+  built or the OS refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``: callers then keep
+  oneDNN (core/packed_linear.py).
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
 - :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
   layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
@@ -27,8 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -47,12 +55,39 @@ BLOCK_N = 16                     # output columns per tile
 
 _lock = threading.Lock()
 _state: dict = {}
+log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
     from fastmtp_sglang.core.demo_target import default_cache_dir
 
     return default_cache_dir() / "kernels"
+
+
+class UnsafeCacheDir(RuntimeError):
+    """The kernel cache is a folder another user could have put a library in."""
+
+
+def private_dir(d: Path) -> Path:
+    """``d``, created with mode 0700 when missing; UnsafeCacheDir when it is a symlink, not a
+    folder, owned by another user, or writable by group or others: a library loaded from there
+    runs with this process's rights, so only its owner may be able to write it."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCacheDir(f"the kernel cache {d} is not a folder (a symlink or a file); "
+                             "remove it or set FASTMTP_CACHE")
+    if st.st_uid != os.geteuid():
+        raise UnsafeCacheDir(f"the kernel cache {d} is owned by uid {st.st_uid}, not this user "
+                             f"({os.geteuid()}); remove it or set FASTMTP_CACHE")
+    if st.st_mode & 0o022:
+        raise UnsafeCacheDir(f"the kernel cache {d} is writable by group or others (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}); `chmod 700 {d}` or set FASTMTP_CACHE")
+    return d
 
 
 def _loaded_openmp() -> str | None:
@@ -69,33 +104,101 @@ def _loaded_openmp() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
+CFLAGS = ("-O3", "-fPIC", "-fopenmp")
+
+
+def _commands(cc: str, omp: str | None) -> list[list[str]]:
+    """The compile and link command lines, with ``{src}``, ``{obj}`` and ``{out}`` for the files. Linked
+    against the OpenMP runtime torch already has: a second libgomp in the process would keep its
+    own spinning threads on the same cores."""
+    return [[cc, *CFLAGS, "-c", "{src}", "-o", "{obj}"],
+            [cc, "-shared", "{obj}", "-o", "{out}", *([omp] if omp else ["-fopenmp"]), "-lm"]]
+
+
+def _compiler_id(cc: str) -> str:
+    """Which compiler ``cc`` is: its resolved path and its ``--version``."""
+    path = shutil.which(cc) or cc
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    omp = _loaded_openmp()
-    tag = hashlib.sha256(src + ver.encode() + str(omp).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{tag}.so"
-    if out.exists():
+    return f"{os.path.realpath(path)}\n{ver}"
+
+
+def cache_key(source: bytes, compiler_id: str, commands: list[list[str]]) -> str:
+    """The library's name in the cache: a hash of the source, the compiler and every flag of the
+    commands that build it (the OpenMP runtime it links included)."""
+    h = hashlib.sha256()
+    for part in (source, compiler_id.encode(), json.dumps(commands).encode()):
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()[:16]
+
+
+def _library_path(cc: str) -> tuple[Path, list[list[str]]]:
+    cmds = _commands(cc, _loaded_openmp())
+    tag = cache_key(SOURCE.read_bytes(), _compiler_id(cc), cmds)
+    return _cache_dir() / f"cpu_kernels-{tag}.so", cmds
+
+
+def _sha_file(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def verified(lib: Path) -> bool:
+    """Whether ``lib`` is a regular file (not a symlink) whose bytes hash to the sha256 recorded
+    beside it (``<lib>.sha256``). Checked right before every load: a library that does not match
+    is rebuilt, never loaded."""
+    try:
+        if not stat.S_ISREG(os.lstat(lib).st_mode):
+            return False
+        want = _sha_file(lib).read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
+def _write_beside(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _build(cc: str) -> Path:
+    """The kernel library for this source, compiler and flags: the cached one when its recorded
+    sha256 matches, else built now (a mismatch is rebuilt, never loaded)."""
+    out, cmds = _library_path(cc)
+    private_dir(out.parent)
+    if verified(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     obj = tmp + ".o"
+    files = {"{src}": str(SOURCE), "{obj}": obj, "{out}": tmp}
     try:  # written beside, renamed into place: another process never loads half a library
-        # compiled with OpenMP, linked against the runtime torch already has (a second libgomp
-        # in the process would keep its own spinning threads on the same cores)
-        steps = [[cc, "-O3", "-fPIC", "-fopenmp", "-c", str(SOURCE), "-o", obj],
-                 [cc, "-shared", obj, "-o", tmp] + ([omp] if omp else ["-fopenmp"]) + ["-lm"]]
-        for cmd in steps:
+        for cmd in cmds:
+            cmd = [files.get(a, a) for a in cmd]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
+                err = r.stderr.strip()[-2000:]
+                raise RuntimeError(f"{' '.join(cmd)} failed (exit {r.returncode})"
+                                   + (f":\n{err}" if err else ""))
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        _write_beside(_sha_file(out), (digest + "\n").encode())
         os.replace(tmp, out)
     finally:
         for f in (tmp, obj):
             if os.path.exists(f):
                 os.unlink(f)
     return out
+
+
+def _open_library(cc: str) -> ctypes.CDLL:
+    path = _build(cc)
+    if not verified(path):  # replaced between the build and now
+        raise RuntimeError(f"{path} does not match its recorded sha256; not loaded")
+    return ctypes.CDLL(str(path))
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
@@ -108,9 +211,15 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if cc is None:
         return None, "no C compiler (gcc) on PATH"
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = _open_library(cc)
+    except UnsafeCacheDir as e:
+        why = f"refusing the kernel cache: {e}"
+        log.warning("cpu_kernels: %s; PyTorch's kernels are used instead", why)
+        return None, why
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"building the kernel failed: {e}"
+        why = f"building the kernel failed: {e}"
+        log.warning("cpu_kernels: %s; PyTorch's kernels are used instead", why)
+        return None, why
     lib.fastmtp_linear_bf16_amx.restype = None
     lib.fastmtp_linear_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     P, I = ctypes.c_void_p, ctypes.c_int
@@ -127,7 +236,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (then :func:`unavailable_reason` says why). Built once per
-    source and compiler, loaded once per process."""
+    source, compiler and flags, loaded once per process (a failure is logged once)."""
     if "lib" in _state:
         return _state["lib"]
     with _lock:
