@@ -24,7 +24,7 @@ input computes its own. Only up to ``FUSED_MAX_ROWS`` rows, where the fused prod
 bit-identical to the separate ones (it was not at 200 rows: prefills keep the separate path).
 
 Where the CPU has AMX the prepared copy is laid out in tiles for core/cpu_kernels.py instead of
-oneDNN's layout (:func:`backend`): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
+oneDNN's layout (``cpu_kernels.available()`` says which): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
 slower from 128 rows (bench/results/cpu_kernels_probe/). Its sums run in another order than oneDNN's, so the last bit of an output may differ from
 ``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
 independent of the other rows, and a fused product equals the separate ones exactly.
@@ -76,11 +76,6 @@ def _apply(x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor
     shape = x.shape
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), prepared, bias, "none", [], "")
     return y.reshape(*shape[:-1], y.shape[-1])
-
-
-def backend() -> str:
-    """What prepared weights run on here: "amx" (core/cpu_kernels.py) or "onednn"."""
-    return "amx" if cpu_kernels.available() else "onednn"
 
 
 def _cached(store: dict, key, w: torch.Tensor) -> torch.Tensor:

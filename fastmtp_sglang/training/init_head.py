@@ -35,16 +35,11 @@ from fastmtp_sglang.core.target import Target, load_target
 INIT_METHODS = ("lstsq", "hidden", "embed")
 
 
-def calibration_text() -> str:
-    """English prose + code from the Python docs shipped with the interpreter (PSF licence)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
 def calibration_ids(tokenizer, max_tokens: int, from_end: bool = False) -> torch.Tensor:
-    """Up to ``max_tokens`` ids of the calibration text, tokenized topic by topic, from its start
-    (the fit) or from its end (held-out scoring: disjoint while fit + held-out < ~110K tokens)."""
+    """Up to ``max_tokens`` ids of the calibration text (English prose and code: the Python docs
+    shipped with the interpreter, ``pydoc_data.topics``, PSF licence), tokenized topic by
+    topic, from its start (the fit) or from its end (held-out scoring: disjoint while fit +
+    held-out < ~110K tokens)."""
     from pydoc_data.topics import topics
 
     ids: list[int] = []
