@@ -1,5 +1,7 @@
 """`fastmtp train`: flags for :func:`fastmtp_sglang.training.train.train` (its module docstring is
-the help), over a resumed checkpoint's settings."""
+the help), over a resumed checkpoint's settings. Under torchrun (``torchrun --nproc_per_node N -m
+fastmtp_sglang train ...``) each process joins the process group first and trains on its share of
+every batch (training/parallel.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training import parallel
 from fastmtp_sglang.training import train as lib
 from fastmtp_sglang.training.checkpoints import load_trainer_state
 from fastmtp_sglang.training.config import (ATTENTIONS, COMPUTE_DTYPES, LOSSES, NEW_HEAD_LR,
@@ -34,14 +35,21 @@ def _config_from_args(args: argparse.Namespace, saved: dict[str, Any] | None) ->
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fastmtp_sglang.core.target import load_target
-
     saved = load_trainer_state(Path(args.resume))["config"] if args.resume else None
     cfg = _config_from_args(args, saved)
     if not args.resume and not args.init:
         raise FastMTPError("pass --init DIR (a draft directory from `fastmtp init-head` or "
                            "`fastmtp convert`) or --resume DIR")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, started = parallel.start(args.device)
+    try:
+        return _train(args, cfg, device)
+    finally:
+        parallel.end(started)
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, device: str) -> int:
+    from fastmtp_sglang.core.target import load_target
+
     target = load_target(args.target, dtype=args.dtype, device=device)
     vocab_ids = vocab_name = None
     if args.vocab:
@@ -53,6 +61,8 @@ def _run(args: argparse.Namespace) -> int:
                 vocab_ids=vocab_ids, vocab_name=vocab_name, overwrite=args.overwrite,
                 progress=not args.no_progress, allow_base_mismatch=args.allow_base_mismatch,
                 features=args.features, target_dir=args.target, feature_dtype=args.feature_dtype)
+    if not parallel.current().main:
+        return 0
     ev = res.last_eval or {}
     print(f"wrote draft directory {res.out} after {res.global_step} optimizer steps"
           + ("" if res.finished else " (halted early: continue with --resume)")
@@ -84,7 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=float, help=f"warmup fraction of optimizer steps (default {d.warmup})")
     p.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})")
     p.add_argument("--grad-clip", type=float, help=f"max gradient norm, 0 = off (default {d.grad_clip})")
-    p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch (default {d.batch_size})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch, all processes "
+                   f"together: under torchrun the N processes share it (default {d.batch_size})")
     p.add_argument("--grad-accum", type=int, help=f"micro-batches per optimizer step (default {d.grad_accum})")
     p.add_argument("--max-len", type=int, help=f"tokens per sequence, prompt + response; longer "
                    f"responses are cut (default {d.max_len})")
@@ -120,7 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"stay fp32 (default {d.compute_dtype})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the target's dtype; the head always trains in fp32 (default float32)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available; under torchrun "
+                   "each process takes cuda:LOCAL_RANK)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--allow-base-mismatch", action="store_true", help="train a draft made for another target (its recorded config / tokenizer hash differs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -14,6 +14,7 @@ import torch
 
 from fastmtp_sglang.core.draft_dir import save_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.training.parallel import Ranks
 
 if TYPE_CHECKING:
     from fastmtp_sglang.core.draft_dir import DraftDir
@@ -52,7 +53,10 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 @dataclass
 class RunState:
     """What a checkpoint saves: the head, optimizer and schedule, the position in the data, the
-    last held-out score and the log (``records``: this process's; ``log_lines``: the whole run's)."""
+    last held-out score and the log (``records``: this process's; ``log_lines``: the whole run's).
+
+    The position is global (micro-batches of the single-process order), whatever the number of
+    processes: under torchrun every rank holds the same state and rank 0 alone writes it."""
     cfg: TrainConfig
     out: Path
     init: str | Path | None
@@ -74,6 +78,12 @@ class RunState:
     log_lines: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     wrote_out: bool = False
+    ranks: Ranks = Ranks()
+    in_table: torch.Tensor | None = field(init=False)  # [V] bool on the CPU: ids in proj's table
+
+    def __post_init__(self) -> None:
+        index = self.proj.index
+        self.in_table = index.cpu() >= 0 if index is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +98,10 @@ class RunState:
                 f.write(line + "\n")
 
     def checkpoint(self, finished: bool) -> None:
-        """Write the checkpoint at ``out``; from then on log records are appended there too."""
+        """Write the checkpoint at ``out`` (rank 0; the other ranks hold the same state); from then
+        on log records are appended there too."""
+        if not self.ranks.main:
+            return
         trainer_state = self._trainer_state()
         config = self._draft_config(finished)
         write_checkpoint(self.out, config, self.head.state_dict(), trainer_state, self.log_lines)
@@ -102,6 +115,7 @@ class RunState:
             "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
             "epoch": self.epoch, "batch_in_epoch": self.batch_pos, "global_step": self.global_step,
             "rng": torch.get_rng_state(), "last_eval": self.last_eval,
+            "world_size": self.ranks.world,  # informational: a resume may use another
             "data": {"path": str(self.data.path), "sha256": self.data.sha256},
             "vocab_ids": self.proj.vocab_ids.cpu() if self.proj.vocab_ids is not None else None,
             "features": str(features) if features is not None else None,

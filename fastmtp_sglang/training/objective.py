@@ -203,11 +203,16 @@ def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
 
 def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, weights: list[float],
                kind: str = "ce", attention: str = "serve", chunk: int = 1024,
-               labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, list]]:
+               labels: torch.Tensor | None = None,
+               denominators: tuple[list[int], list[int]] | None = None
+               ) -> tuple[torch.Tensor, dict[str, list]]:
     """sum_k w_k L_k over one batch, and per-step statistics.
 
     ``labels`` [B, T] are the ground-truth tokens (default: ``batch.input_ids``); step k at anchor
     j is scored against labels[:, j+k+1] where ``loss_mask`` holds there (response tokens only).
+    ``denominators`` (scored targets, in-table targets) per step are what L_k's means divide by;
+    default this batch's own counts. A data-parallel rank passes its global batch's
+    (training.parallel.token_counts), so the ranks' losses sum to the global batch's.
 
     Returns (loss, stats) with stats lists over steps: ``loss`` (L_k), ``correct``, ``targets``
     (scored positions), ``in_table`` (targets inside a compressed vocabulary).
@@ -230,7 +235,9 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
         ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
         n = int(sel.sum())
         n_in = int((lab >= 0).sum())
-        lk = ce / max(n_in, 1) + kl / max(n, 1)
+        d, d_in = ((n, n_in) if denominators is None
+                   else (denominators[0][k - 1], denominators[1][k - 1]))
+        lk = ce / max(d_in, 1) + kl / max(d, 1)
         total = total + w * lk
         stats["loss"].append(float(lk.detach()))
         stats["correct"].append(int(hit))

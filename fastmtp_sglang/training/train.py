@@ -41,6 +41,15 @@ greedy output.
 Checkpoints (each epoch, every ``--save-every`` optimizer steps, and at the end) are draft
 directories written atomically, with ``trainer_state.pt`` (fp32 weights, optimizer, scheduler,
 position in the data, RNG) and ``train_log.jsonl`` beside ``model.safetensors``.
+
+Data-parallel under torchrun (docs/scale.md):
+
+  torchrun --nproc_per_node 8 -m fastmtp_sglang train --target T --init D0 --data data.jsonl ...
+
+``--batch-size`` stays the global batch: the N processes share each micro-batch (rank r takes
+rows r, r+N, ...), the loss is weighted by the whole batch's token counts and the gradients are
+summed, so the run computes the single-process run's steps in the single-process data order, and
+``--resume`` continues a checkpoint with any N (training/parallel.py).
 """
 
 
@@ -59,11 +68,12 @@ from torch import nn
 from fastmtp_sglang.core.draft_dir import DraftDir, load_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.training import parallel
 from fastmtp_sglang.training.checkpoints import LOG_NAME, RunState, load_trainer_state
 from fastmtp_sglang.training.config import TrainConfig, autocast, resume_mismatches
 from fastmtp_sglang.training.data import (HiddenStates, TrainData, collate, epoch_batches,
                                           file_sha256, load_examples, split_heldout)
-from fastmtp_sglang.training.features import open_or_build
+from fastmtp_sglang.training.features import INDEX, open_or_build
 from fastmtp_sglang.training.objective import Projection, batch_loss, evaluate
 
 
@@ -113,18 +123,32 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     heldout : (row, Example) pairs of ``data`` to score instead of the ``cfg.heldout_fraction``
         split (``fastmtp curve`` passes its own held-out rows, which no training prefix holds);
         rows index the whole file, as the feature cache does.
+
+    Under torchrun (a process group initialised, as `fastmtp train` does) every process calls
+    this with the same arguments; each computes its share of every batch, rank 0 alone writes
+    ``out`` (training/parallel.py).
     """
     data, out = Path(data), Path(out)
+    ranks = parallel.current()
+    if cfg.batch_size < ranks.world:
+        raise FastMTPError(f"--batch-size {cfg.batch_size} is the global batch, which the "
+                           f"{ranks.world} processes share: it must be at least {ranks.world}")
     state = _check_start(cfg, out, init, resume, overwrite)
     draft, head, proj = _load_head(target, init, resume, state, vocab_ids, allow_base_mismatch)
     ds = _load_data(cfg, target, data, proj, state)
     feed = _feature_source(cfg, target, ds, state, features, target_dir, feature_dtype, progress,
-                           head.cfg.aux_hidden_states)
-    run = _new_run(cfg, out, init, draft, head, proj, ds, feed, vocab_name)
+                           head.cfg.aux_hidden_states, ranks)
+    run = _new_run(cfg, out, init, draft, head, proj, ds, feed, vocab_name, ranks)
     _restore_or_seed(run, state, resume)
+    parallel.require_same(ranks, {
+        "data": ds.sha256, "training rows": ds.train_idx, "settings": asdict(cfg),
+        "head": parallel.head_fingerprint(head), "vocabulary": proj.size,
+        "position": (run.epoch, run.batch_pos, run.global_step)})
     _announce(run, fresh=state is None)
     held = heldout if heldout is not None else [(i, ds.examples[i]) for i in ds.held_idx]
     _train_epochs(run, feed, held, progress)
+    if ranks.world > 1:  # the checkpoint is on disk for every rank once train() returns
+        parallel.barrier(run.device)
     return TrainResult(out, run.global_step, run.epoch >= cfg.epochs, run.last_eval, run.records)
 
 
@@ -203,7 +227,8 @@ def _load_data(cfg: TrainConfig, target, data: Path, proj: Projection,
 
 def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, Any] | None,
                     features: str | Path | None, target_dir: str | Path | None, feature_dtype: str,
-                    progress: bool, aux: tuple[int, ...] = ()) -> _Feed:
+                    progress: bool, aux: tuple[int, ...] = (),
+                    ranks: parallel.Ranks = parallel.Ranks()) -> _Feed:
     """The feature cache (opened, or built when missing; a resumed run reuses its checkpoint's),
     else the target run per sequence with an in-memory cache of ``cfg.cache_hidden_gb``."""
     if state is not None and state.get("features"):
@@ -217,6 +242,10 @@ def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, An
     if features is not None:
         if target_dir is None:
             raise FastMTPError("a feature cache needs the target's directory (target_dir)")
+        if ranks.world > 1 and not (Path(features) / INDEX).is_file():
+            # one process would build it while N-1 wait on a collective that times out
+            raise FastMTPError(f"feature cache {features} does not exist: build it first with "
+                               "`fastmtp features` (one process), then start torchrun")
         need_topk = cfg.kl_topk if "kl" in cfg.loss else 0
         store = open_or_build(target, target_dir, ds.path, ds.examples, features, cfg.max_len,
                               cfg.max_sequences, feature_dtype, need_topk, progress, aux_layers=aux)
@@ -236,7 +265,7 @@ def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, An
 
 def _new_run(cfg: TrainConfig, out: Path, init: str | Path | None, draft: DraftDir,
              head: FastMTPHead, proj: Projection, ds: TrainData, feed: _Feed,
-             vocab_name: str | None) -> RunState:
+             vocab_name: str | None, ranks: parallel.Ranks = parallel.Ranks()) -> RunState:
     """The run with its optimizer (AdamW) and schedule (warmup, then cosine) over all epochs."""
     n_batches = math.ceil(len(ds.train_idx) / cfg.batch_size)
     per_epoch = math.ceil(n_batches / cfg.grad_accum)
@@ -245,7 +274,7 @@ def _new_run(cfg: TrainConfig, out: Path, init: str | Path | None, draft: DraftD
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup))
     return RunState(cfg, out, init, draft, head, proj, ds, feed.features, feed.feature_dtype, vocab_name,
-                opt, sched, n_batches, total)
+                    opt, sched, n_batches, total, ranks=ranks)
 
 
 def _restore_or_seed(run: RunState, state: dict[str, Any] | None, resume: str | Path | None) -> None:
@@ -261,6 +290,7 @@ def _restore_or_seed(run: RunState, state: dict[str, Any] | None, resume: str | 
         log_file = Path(resume) / LOG_NAME  # type: ignore[arg-type]
         if log_file.is_file():
             run.log_lines = [ln for ln in log_file.read_text().splitlines() if ln.strip()]
+        run.log({"event": "resume", "step": run.global_step, "world_size": run.ranks.world})
     else:
         torch.manual_seed(run.cfg.seed)
 
@@ -271,11 +301,14 @@ def _announce(run: RunState, fresh: bool) -> None:
     if fresh:
         run.log({"event": "start", "data": str(ds.path), "counts": asdict(ds.counts),
                  "train": len(ds.train_idx), "heldout": len(ds.held_idx),
-                 "optimizer_steps": run.total, "config": asdict(cfg)})
+                 "optimizer_steps": run.total, "world_size": run.ranks.world, "config": asdict(cfg)})
+    if not run.ranks.main:
+        return
     print(f"train: {len(ds.train_idx)} sequences ({len(ds.held_idx)} held out) from {ds.path}; "
           f"{ds.counts.skipped()} lines skipped, {ds.counts.truncated} truncated; K={cfg.train_steps} "
-          f"trained, weights {[round(w, 3) for w in cfg.weights]}, {run.total} optimizer steps",
-          file=sys.stderr)
+          f"trained, weights {[round(w, 3) for w in cfg.weights]}, {run.total} optimizer steps"
+          + (f"; {run.ranks.world} processes share each batch of {cfg.batch_size}"
+             if run.ranks.world > 1 else ""), file=sys.stderr)
 
 
 def _train_epochs(run: RunState, feed: _Feed, held: list[tuple[int, Any]], progress: bool) -> None:
@@ -286,7 +319,7 @@ def _train_epochs(run: RunState, feed: _Feed, held: list[tuple[int, Any]], progr
 
     cfg = run.cfg
     bar = tqdm(total=run.total, initial=run.global_step, desc="train", unit="step",
-               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+               disable=not (progress and run.ranks.main), dynamic_ncols=True, file=sys.stderr)
     halted = False
     t0 = time.perf_counter()
     try:
@@ -332,22 +365,44 @@ def _epoch_steps(run: RunState, feed: _Feed, held: list[tuple[int, Any]], batche
 def _optimizer_step(run: RunState, feed: _Feed, group: list[list[int]], n_batches: int,
                     t0: float) -> dict[str, Any]:
     """One optimizer step over the micro-batches of ``group`` (gradient accumulation, clipping,
-    the schedule); returns its train_log.jsonl record."""
-    cfg, head, examples = run.cfg, run.head, run.data.examples
+    the schedule); returns its train_log.jsonl record.
+
+    Each micro-batch's loss is averaged over the whole micro-batch's tokens; under torchrun this
+    process computes only its rows' share of it, and the gradients and the record's sums are
+    summed over the processes before clipping."""
+    cfg, head, examples, ranks = run.cfg, run.head, run.data.examples, run.ranks
+    steps = cfg.train_steps
     run.opt.zero_grad(set_to_none=True)
-    agg: dict[str, list] = {}
+    agg: dict[str, list] = {"loss": [0.0] * steps, "correct": [0] * steps, "targets": [0] * steps,
+                            "in_table": [0] * steps}
+    expected = [[0] * steps, [0] * steps]  # (targets, in_table) of the whole group
     loss_sum = 0.0
-    for idxs in group:
+    for global_idxs in group:
+        counts = parallel.token_counts([examples[i] for i in global_idxs], run.in_table, steps)
+        expected = [[a + b for a, b in zip(e, c)] for e, c in zip(expected, counts)]
+        idxs = ranks.shard(global_idxs)
+        if not idxs:  # an epoch's last micro-batch can have fewer rows than there are processes
+            continue
         batch = collate([examples[i] for i in idxs],
                         [feed.hidden_fn(i, examples[i].ids) for i in idxs], run.device,
                         feed.topks_of(idxs))
         with autocast(run.device, cfg.compute_dtype):
-            loss, st = batch_loss(head, batch, run.proj, cfg.train_steps, cfg.weights,
-                                  cfg.loss, cfg.attention, cfg.ce_chunk)
+            loss, st = batch_loss(head, batch, run.proj, steps, cfg.weights, cfg.loss,
+                                  cfg.attention, cfg.ce_chunk, denominators=counts)
         (loss / len(group)).backward()
         loss_sum += float(loss.detach()) / len(group)
         for key, vals in st.items():
-            agg[key] = [a + b for a, b in zip(agg[key], vals)] if key in agg else list(vals)
+            agg[key] = [a + b for a, b in zip(agg[key], vals)]
+    if ranks.world > 1:
+        parallel.all_reduce_grads(head.parameters())
+        keys = ("loss", "correct", "targets", "in_table")
+        sums = parallel.sum_over_ranks([loss_sum] + [v for k in keys for v in agg[k]], run.device)
+        loss_sum = sums[0]
+        for i, key in enumerate(keys):
+            vals = sums[1 + i * steps: 1 + (i + 1) * steps]
+            agg[key] = vals if key == "loss" else [round(v) for v in vals]
+    # token_counts counted what batch_loss scored (its means divide by these counts)
+    assert [agg["targets"], agg["in_table"]] == expected, (agg["targets"], agg["in_table"], expected)
     gnorm = (torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
              if cfg.grad_clip > 0 else _grad_norm(head))
     lr = run.opt.param_groups[0]["lr"]
@@ -367,12 +422,21 @@ def _optimizer_step(run: RunState, feed: _Feed, group: list[list[int]], n_batche
 def _evaluate_heldout(run: RunState, feed: _Feed, held: list[tuple[int, Any]]) -> None:
     """Training-time tau on the held-out rows: logged (``event: eval`` with its optimizer step,
     the learning curve in steps) and printed."""
-    cfg = run.cfg
-    run.last_eval = evaluate(run.head, feed.hidden_fn, held, run.proj, cfg.steps, cfg.batch_size,
-                             cfg.ce_chunk)
+    cfg, ranks = run.cfg, run.ranks
+    if ranks.world == 1:
+        run.last_eval = evaluate(run.head, feed.hidden_fn, held, run.proj, cfg.steps,
+                                 cfg.batch_size, cfg.ce_chunk)
+    else:  # each process scores its shard; the counts combine to the single-process numbers
+        mine = ranks.shard(held)
+        part = evaluate(run.head, feed.hidden_fn, mine, run.proj, cfg.steps, cfg.batch_size,
+                        cfg.ce_chunk)
+        scored = parallel.token_counts([e for _, e in mine], None, cfg.steps)[0]
+        run.last_eval = parallel.combine_evals(parallel.gather((part, scored)))
     last_eval = run.last_eval
     epoch = run.epoch + run.batch_pos / max(run.n_batches, 1)
     run.log({"event": "eval", "epoch": round(epoch, 4), "step": run.global_step, **last_eval})
+    if not ranks.main:
+        return
     print(f"\ntrain: step {run.global_step} (epoch {epoch:.2f}): held-out tau_train {fmt_score(last_eval['tau_train'])} "
           f"(walk {fmt_score(last_eval['tau_walk'])}), A_k "
           f"{[fmt_score(a) for a in last_eval['A_k']]}", file=sys.stderr)
