@@ -3,7 +3,8 @@ float64 reference over odd shapes, with a bound from bf16's rounding and fp32 ac
 row's result independent of the other rows and of the thread count; the fused elementwise steps
 against PyTorch's own ops (skipped, with the reason, on CPUs without AMX); and the build, on any
 CPU: cached by source, compiler and flags, atomic, refused cleanly; a cache folder another user
-could write is refused, and a library whose bytes do not match its recorded sha256 is never loaded."""
+could write is refused, and a library whose bytes do not match its recorded sha256 is never
+loaded."""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def test_explicit_dtype_wins_over_the_cpu(monkeypatch, capsys, engines):
     assert main(["serve", "--engine", "reference", "--target", "T", "--steps", "0",
                  "--dtype", "float32"]) == 0
     assert engines["reference"].dtype == "float32"
-    assert "dtype float32 (asked for with --dtype); greedy output bit-equal" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dtype float32 (asked for with --dtype); greedy output bit-equal" in out
 
 
 def test_cuda_device_is_bf16_whatever_the_cpu(monkeypatch, capsys, engines):

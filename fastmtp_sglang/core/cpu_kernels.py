@@ -108,9 +108,9 @@ CFLAGS = ("-O3", "-fPIC", "-fopenmp")
 
 
 def _commands(cc: str, omp: str | None) -> list[list[str]]:
-    """The compile and link command lines, with ``{src}``, ``{obj}`` and ``{out}`` for the files. Linked
-    against the OpenMP runtime torch already has: a second libgomp in the process would keep its
-    own spinning threads on the same cores."""
+    """The compile and link command lines, with ``{src}``, ``{obj}`` and ``{out}`` for the
+    files. Linked against the OpenMP runtime torch already has: a second libgomp in the process
+    would keep its own spinning threads on the same cores."""
     return [[cc, *CFLAGS, "-c", "{src}", "-o", "{obj}"],
             [cc, "-shared", "{obj}", "-o", "{out}", *([omp] if omp else ["-fopenmp"]), "-lm"]]
 
