@@ -15,11 +15,14 @@ servers (``--url``, ours or SGLang's, each keyed by the K it reports; a vLLM ser
 metrics adapter is loaded directly through its OpenAI API, since the adapter serialises requests,
 and its accept length comes from vLLM's /metrics counters over each run). Timing discipline as in fastmtp_sglang.benchmark.sweep: an untimed warm-up level per
 arm, the order of the arms rotated from level to level and repeat to repeat, the median over
-repeats, and speedups paired within a repeat (each arm over the K=0 run next to it).
+repeats, and speedups paired within a repeat (each arm over the K=0 run next to it). With
+``--schedule sandwich`` a level is instead short blocks, each arm's between two K=0 blocks, in
+rounds until the ratios are settled (benchmark/sandwich.py: drift on the VM cancels).
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import statistics
 import threading
@@ -223,6 +226,68 @@ def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[
     return runs
 
 
+def run_levels_sandwiched(runners: dict[str, Callable[..., tuple]], prompts: list[list[int]],
+                          levels: list[int], sampling: dict[str, Any], block_requests: int, *,
+                          per_client: int = 2, bound: float = 0.02, min_rounds: int = 3,
+                          max_rounds: int = 12, budget_s: float | None = None, warmup: bool = True,
+                          progress: bool = True, baseline: str = "0",
+                          clock: Callable[[], float] = time.perf_counter) -> tuple[list[LevelRun], dict]:
+    """Every level as sandwiched blocks (benchmark/sandwich.py): ``block_requests`` requests a
+    block (at least ``per_client`` per client), each arm's block between two baseline blocks,
+    rounds until each arm's ratio over the baseline is settled to ``bound`` or the level's
+    ``budget_s`` / ``max_rounds`` is spent. Returns (one LevelRun per block, its ``repeat`` the
+    round; {level: SandwichRun})."""
+    import sys
+
+    from tqdm import tqdm
+
+    from fastmtp_sglang.benchmark import sandwich
+
+    if baseline not in runners:
+        raise FastMTPError(f"the sandwiched schedule needs a K={baseline} arm to compare against")
+    arms = list(runners)
+    runs: list[LevelRun] = []
+    verdicts: dict[int, Any] = {}
+    with tqdm(desc="concurrency (sandwiched)", unit="block", disable=not progress, file=sys.stderr) as bar:
+        if warmup:  # untimed: the first forwards of each batch shape are many times slower
+            for arm in arms:
+                runners[arm](level_bodies(prompts, max(levels), max(levels), sampling), max(levels))
+        for level in levels:
+            bodies = level_bodies(prompts, level, block_requests, sampling, per_client)
+
+            def run_block(arm: str, rnd: int, level=level, bodies=bodies) -> tuple[int, float]:
+                bar.set_postfix_str(f"C={level} round {rnd} {arm}")
+                wall, records, *spec = runners[arm](bodies, level)
+                runs.append(LevelRun(arm, level, rnd, wall, records, spec[0] if spec else None))
+                bar.update(1)
+                return runs[-1].output_tokens, wall
+
+            verdicts[level] = sandwich.run(run_block, arms, baseline, bound=bound,
+                                           min_rounds=min_rounds, max_rounds=max_rounds,
+                                           budget_s=budget_s, clock=clock)
+    return runs, verdicts
+
+
+def apply_sandwich(table: dict[str, dict[str, Any]], verdicts: dict, bound: float) -> dict[str, dict]:
+    """Replace each level's paired speedups by the sandwiched ratios (mean of the kept rounds),
+    with their half-width and flagged blocks; returns {level: {"rounds", "stopped", "bound"}}
+    (for ``meta["sandwich"]``, which :func:`markdown` reads)."""
+    notes = {}
+    for level, res in verdicts.items():
+        lv = table.get(str(level), {})
+        for arm, v in res.verdicts.items():
+            if arm not in lv:
+                continue
+            lv[arm]["speedup"] = v.mean
+            lv[arm]["speedup_halfwidth"] = v.halfwidth if math.isfinite(v.halfwidth) else None
+            lv[arm]["speedup_rounds"] = [round(x, 4) for x in v.kept]
+            lv[arm]["flagged_blocks"] = [{"round": r.round, "ratio": round(r.value, 4), "why": r.flagged}
+                                         for r in v.flagged]
+            lv[arm]["speedup_spread"] = 2 * v.halfwidth if math.isfinite(v.halfwidth) else 1.0
+        notes[str(level)] = {"rounds": res.rounds, "stopped": res.stopped, "bound": bound}
+    return notes
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
@@ -327,7 +392,31 @@ def _requests(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
+def sandwich_markdown(table: dict[str, dict[str, Any]], notes: dict[str, dict]) -> list[str]:
+    """The sandwiched schedule's lines (``notes``: apply_sandwich's): per level, the rounds, why
+    it stopped, each arm's ratio with its 95% half-width, and the flagged blocks."""
+    if not notes:
+        return []
+    lines = ["", "Sandwiched timing (each arm block between two K=0 blocks; ratio against K=0 "
+             "interpolated at the block's midpoint; mean over rounds, 95% half-width):", ""]
+    for lv in sorted(notes, key=int):
+        n = notes[lv]
+        parts = []
+        for a, s in table.get(lv, {}).items():
+            if a == "0" or s.get("speedup") is None:
+                continue
+            hw = s.get("speedup_halfwidth")
+            parts.append(f"{a} {s['speedup']:.3f}x" + (f" ± {100 * hw:.1f}%" if hw is not None else ""))
+            for f in s.get("flagged_blocks") or []:
+                parts.append(f"({a} round {f['round']} left out: {f['why']})")
+        state = ("settled" if n["stopped"] == "settled" else f"**not settled** ({n['stopped']})")
+        lines.append(f"- concurrency {lv}: {n['rounds']} rounds, {state} at ±{100 * n['bound']:.1f}%: "
+                     + "; ".join(parts))
+    return lines
+
+
 def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    sandwiched = sandwich_markdown(table, meta.get("sandwich") or {})
     arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
     lines = [f"# Throughput across concurrency: {meta.get('label', '')}", "",
              f"- command: `{meta.get('command', '')}`",
@@ -374,8 +463,9 @@ def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                   "|---:|---|---:|---:|---:|---:|"]
         lines += [f"| {lv} | {b['best']} | {b['best_speedup']:.2f}x | {b['speedup']:.2f}x | "
                   f"{100 * b['vs_best']:+.1f}% | {100 * b['vs_baseline']:+.1f}% |" for lv, b in best.items()]
+    lines += sandwiched
     spread = repeat_spread(table)
-    if any(s["baseline"] or s["speedup"] for s in spread.values()):
+    if not sandwiched and any(s["baseline"] or s["speedup"] for s in spread.values()):
         lines += ["", "How far the repeats were apart ((max - min) / median): K=0's output tokens/s, and the "
                   "widest of the arms' paired speedups:", ""]
         lines += [f"- concurrency {lv}: K=0 {100 * s['baseline']:.0f}%, speedups {100 * s['speedup']:.0f}%"

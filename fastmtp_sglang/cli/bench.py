@@ -215,6 +215,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-client", type=int, default=2, help="--concurrency: requests each client "
                    "sends at least, per level and arm (default 2; more keeps a high level's "
                    "ramp-up and drain a smaller part of its time)")
+    p.add_argument("--schedule", choices=("levels", "sandwich"), default="levels",
+                   help="--concurrency: 'levels' runs each arm's whole level once per repeat, arms "
+                        "rotated; 'sandwich' runs short blocks, each arm's between two K=0 blocks, "
+                        "in rounds until every ratio over K=0 is settled (cancels a VM's drift)")
+    p.add_argument("--block-requests", type=int, default=16, help="--schedule sandwich: requests per "
+                   "block (at least --per-client per client)")
+    p.add_argument("--bound", type=float, default=0.02, help="--schedule sandwich: stop a level when "
+                   "every arm's ratio is known to this relative 95%% half-width (default 0.02)")
+    p.add_argument("--min-rounds", type=int, default=3, help="--schedule sandwich: rounds at least")
+    p.add_argument("--max-rounds", type=int, default=12, help="--schedule sandwich: rounds at most")
+    p.add_argument("--level-budget", type=float, default=None, help="--schedule sandwich: seconds a "
+                   "level may take before it stops unsettled (default: no limit)")
     p.add_argument("--emit-engine-config", action="store_true", help="--concurrency: also write "
                    "the K-per-batch-size tables this run measured, for SGLang "
                    "(--speculative-adaptive-config) and vLLM (num_speculative_tokens_per_batch_size)")

@@ -14,6 +14,20 @@ from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.prompts import load_prompt_ids
 
 
+def check_sandwich_args(args: argparse.Namespace) -> None:
+    """--schedule sandwich's numbers, refused with what to give instead."""
+    if getattr(args, "schedule", "levels") != "sandwich":
+        return
+    if args.block_requests < 1:
+        raise FastMTPError(f"--block-requests must be >= 1, got {args.block_requests}")
+    if not 0 < args.bound < 1:
+        raise FastMTPError(f"--bound is a relative half-width in (0, 1), e.g. 0.02; got {args.bound}")
+    if not 1 <= args.min_rounds <= args.max_rounds:
+        raise FastMTPError(f"need 1 <= --min-rounds <= --max-rounds, got {args.min_rounds}, {args.max_rounds}")
+    if args.level_budget is not None and args.level_budget <= 0:
+        raise FastMTPError(f"--level-budget is seconds > 0, got {args.level_budget}")
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -94,7 +108,8 @@ def _servers(args: argparse.Namespace, cfg):
 
 def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
     """``load(args, cfg)`` -> (target, head, prompts, vocab): cli.bench.load_in_process."""
-    from fastmtp_sglang.benchmark.concurrency import markdown, plot, run_levels, summarize_levels
+    from fastmtp_sglang.benchmark.concurrency import (apply_sandwich, markdown, plot, run_levels,
+                                                      run_levels_sandwiched, summarize_levels)
     from fastmtp_sglang.decode.costs import cpu_description
 
     levels = parse_levels(args.concurrency)
@@ -103,17 +118,27 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
         raise FastMTPError(f"--requests-per-level must be >= 1, got {args.requests_per_level}")
     if args.per_client < 1:
         raise FastMTPError(f"--per-client must be >= 1, got {args.per_client}")
+    check_sandwich_args(args)
     runners, prompts, desc, servers, extra = (_servers(args, cfg) if args.url
                                        else _in_process(args, cfg, levels, progress, load))
     per_level = args.requests_per_level or len(prompts)
     sampling = {**cfg.sampling_params(), "seed": cfg.seed}
+    sandwiched = getattr(args, "schedule", "levels") == "sandwich"
     try:
-        runs = run_levels(runners, prompts, levels, sampling, per_level, cfg.repeats,
-                          warmup=cfg.warmup, progress=progress, per_client=args.per_client)
+        if sandwiched:
+            runs, verdicts = run_levels_sandwiched(
+                runners, prompts, levels, sampling, args.block_requests, per_client=args.per_client,
+                bound=args.bound, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                budget_s=args.level_budget, warmup=cfg.warmup, progress=progress)
+        else:
+            runs = run_levels(runners, prompts, levels, sampling, per_level, cfg.repeats,
+                              warmup=cfg.warmup, progress=progress, per_client=args.per_client)
     finally:
         for srv in servers:
             srv.shutdown()
     table = summarize_levels(runs)
+    if sandwiched:
+        extra["sandwich"] = apply_sandwich(table, verdicts, args.bound)
     cpu = cpu_description()
     meta: dict[str, Any] = {
         "command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
