@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.lean_forward import LeanForward, lean_forward_for, unsupported
@@ -79,7 +79,7 @@ def _lean(model):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypatch):
-    monkeypatch.setitem(cpu_kernels._state, "lib", None)   # PyTorch's own kernels only
+    monkeypatch.setitem(cpu_amx._state, "lib", None)   # PyTorch's own kernels only
     model = _model(kind, dtype)
     ids, mask, steps = _batches()
     keep = (0, 2, 3)
@@ -93,7 +93,7 @@ def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypa
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason=f"cpu kernels: {cpu_kernels.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_amx.available(), reason=f"cpu kernels: {cpu_amx.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
     model = _model(kind, torch.bfloat16)

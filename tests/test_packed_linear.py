@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.hardware import fast_bf16
 from fastmtp_sglang.core import packed_linear as pl
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch build has
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    if fast_bf16() and not cpu_kernels.available():  # oneDNN's prepared weights: not a bit moves
+    if fast_bf16() and not cpu_amx.available():  # oneDNN's prepared weights: not a bit moves
         assert torch.equal(a, b)
-    else:  # AMX tiles (core/cpu_kernels.py) sum in another order; emulated bf16 may pick
+    else:  # AMX tiles (core/cpu_amx.py) sum in another order; emulated bf16 may pick
         # another kernel: the same product within bf16's rounding
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
@@ -167,7 +167,7 @@ def test_fused_projections_give_each_member_its_own_output():
                 ref.k_proj.weight.mul_(2)
             blk.q_proj(x)
             _same(blk.k_proj(x), ref.k_proj(x))   # a changed member remakes the fused weight
-            if cpu_kernels.available():  # AMX tiles: fused equals separately packed, exactly
+            if cpu_amx.available():  # AMX tiles: fused equals separately packed, exactly
                 sep = copy.deepcopy(ref)
                 pl.pack_linears(sep)
                 for rows in (1, 5, 64):

@@ -23,8 +23,8 @@ and leaves the others theirs, keyed by the input tensor itself; a member called 
 input computes its own. Only up to ``FUSED_MAX_ROWS`` rows, where the fused product is
 bit-identical to the separate ones (it was not at 200 rows: prefills keep the separate path).
 
-Where the CPU has AMX the prepared copy is laid out in tiles for core/cpu_kernels.py instead of
-oneDNN's layout (``cpu_kernels.available()`` says which): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
+Where the CPU has AMX the prepared copy is laid out in tiles for core/cpu_amx.py instead of
+oneDNN's layout (``cpu_amx.available()`` says which): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
 slower from 128 rows (bench/results/cpu_kernels_probe/). Its sums run in another order than oneDNN's, so the last bit of an output may differ from
 ``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
 independent of the other rows, and a fused product equals the separate ones exactly.
@@ -38,7 +38,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.hardware import fast_bf16
 
 _HINT = 16  # oneDNN's batch-size hint for the layout: exact at every row count we measured from 8 up
@@ -62,17 +62,17 @@ def _version(w: torch.Tensor) -> tuple[int, int]:
 
 
 def _prepare(w: torch.Tensor):
-    """``w`` laid out for the backend: AMX tiles (core/cpu_kernels.py) where available, oneDNN's
+    """``w`` laid out for the backend: AMX tiles (core/cpu_amx.py) where available, oneDNN's
     layout otherwise."""
-    if cpu_kernels.available():
-        return cpu_kernels.pack(w)
+    if cpu_amx.available():
+        return cpu_amx.pack(w)
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT)
 
 
 def _apply(x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(prepared, cpu_kernels.Packed):
-        return cpu_kernels.linear(x, prepared, bias)
+    if isinstance(prepared, cpu_amx.Packed):
+        return cpu_amx.linear(x, prepared, bias)
     shape = x.shape
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), prepared, bias, "none", [], "")
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -19,7 +19,7 @@ bench/results/speculation_pays/costs/, design section 6.9).
 
 On PyTorch's kernels this is **bit-identical** to transformers (tests/test_lean_forward.py:
 hidden states, kept layers and caches, fp32 and bf16, Llama and Qwen2, padding holes). On bf16
-CPUs with AMX (core/cpu_kernels.py) each elementwise step is one C call with transformers'
+CPUs with AMX (core/cpu_amx.py) each elementwise step is one C call with transformers'
 roundings and each product one call on AMX tiles: the same maths within bf16 rounding.
 
 It covers Llama-style dense decoders (``llama``, ``qwen2``, ``mistral`` without a sliding
@@ -33,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_kernels
+from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
 
@@ -115,7 +115,7 @@ class _Proj:
             w, b = group.weight()
         else:
             w, b = packed_weight(ms[0]), ms[0].bias
-        if not isinstance(w, cpu_kernels.Packed) or w.k % cpu_kernels.TILE_K:
+        if not isinstance(w, cpu_amx.Packed) or w.k % cpu_amx.TILE_K:
             return None
         return w, (None if b is None else b.detach().float().contiguous())
 
@@ -206,7 +206,7 @@ class LeanForward:
             qi = torch.arange(T - S, T, device=ids.device)
             amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
         L = len(self.layers)
-        if x.dtype == torch.bfloat16 and cpu_kernels.available() and runs_packed(self.layers[0][2].members[0], x):
+        if x.dtype == torch.bfloat16 and cpu_amx.available() and runs_packed(self.layers[0][2].members[0], x):
             tiles = self._tiles()
             if tiles is not None:
                 return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
@@ -239,7 +239,7 @@ class LeanForward:
         return None if flat is None else [flat[i:i + 4] for i in range(0, len(flat), 4)]
 
     def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep, tiles):
-        """The same layers with each elementwise step one call of core/cpu_kernels.py (bf16,
+        """The same layers with each elementwise step one call of core/cpu_amx.py (bf16,
         AMX CPUs): the residual add fused into the next RMSNorm, rotary embedding in place on
         the q/k/v product, silu(gate) * up in one pass."""
         N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
@@ -247,22 +247,22 @@ class LeanForward:
         hs = ({0: x.view(B, S, -1).clone()} if 0 in keep else {}) if keep else None
         h = torch.empty_like(x)
         ln1 = self.layers[0][0]
-        cpu_kernels.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
-        lin = cpu_kernels.linear_rows
+        cpu_amx.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
+        lin = cpu_amx.linear_rows
         for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
             (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
             p = lin(h, wqkv, bqkv)
-            cpu_kernels.rope_(p, cos, sin, nh + nkv, D)
+            cpu_amx.rope_(p, cos, sin, nh + nkv, D)
             q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
             a = grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
-            cpu_kernels.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
-            d = lin(cpu_kernels.silu_mul(lin(h, wgu, bgu)), wd, bd)
+            cpu_amx.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
+            d = lin(cpu_amx.silu_mul(lin(h, wgu, bgu)), wd, bd)
             nxt = self.layers[i + 1][0] if i + 1 < L else self.inner.norm
-            cpu_kernels.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
+            cpu_amx.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
             if hs is not None and i + 1 in keep and i + 1 < L:
                 hs[i + 1] = x.view(B, S, -1).clone()
         out = h.view(B, S, -1)

@@ -1,4 +1,4 @@
-"""The engine's bf16 CPU kernels (core/cpu_kernels.py): the AMX small-rows linear against a
+"""The engine's bf16 CPU kernels (core/cpu_amx.py): the AMX small-rows linear against a
 float64 reference over odd shapes, with a bound from bf16's rounding and fp32 accumulation; a
 row's result independent of the other rows and of the thread count; the fused elementwise steps
 against PyTorch's own ops (skipped, with the reason, on CPUs without AMX); and the build, on any
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_kernels as ck
+from fastmtp_sglang.core import cpu_amx as ck
 
 needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"cpu kernels: {ck.unavailable_reason()}")
 bf = torch.bfloat16
@@ -133,7 +133,7 @@ def test_rope_and_silu_mul_equal_pytorchs_ops():
 
 # -- the build and its cache: nothing another user could have written is ever loaded ----------
 
-LOGGER = "fastmtp_sglang.core.cpu_kernels"
+LOGGER = "fastmtp_sglang.core.cpu_amx"
 has_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc on PATH")
 
 

@@ -1,10 +1,10 @@
-"""bf16 linear layers at the few rows of a decode step on AMX tiles (``cpu_kernels.c``).
+"""bf16 linear layers at the few rows of a decode step on AMX tiles (``cpu_amx.c``).
 
 A plain step multiplies one row by every weight of the model; a verify, K+1 rows; a batch of B
 requests, B (K+1) rows. Through oneDNN's kernels on prepared weights (core/packed_linear.py) the
 demo target's 120 projections of a step stream their 212 MB at 18-19 GB/s on the AMX Xeon, where
 a plain read of memory reached 28.7 GB/s in the same run, at every row count from 1 to 16 (each product is a
-short call with its own fixed cost). ``cpu_kernels.c`` multiplies each 1 KB tile of a weight
+short call with its own fixed cost). ``cpu_amx.c`` multiplies each 1 KB tile of a weight
 against all rows before it reads the next, in one call with little around it: the same 120
 products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows, slower from 128
 (``python bench/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
@@ -25,7 +25,7 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 
 The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
 of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of
-the call (tests/test_cpu_kernels.py: float64 reference over odd shapes, row independence).
+the call (tests/test_cpu_amx.py: float64 reference over odd shapes, row independence).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 
 from fastmtp_sglang.core.hardware import cpu_flags
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("cpu_amx.c")
 ENV = "FASTMTP_CPU_KERNELS"     # "auto" (default) or "off"
 NEEDS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 TILE_K = 32                      # inputs per tile
@@ -134,7 +134,7 @@ def cache_key(source: bytes, compiler_id: str, commands: list[list[str]]) -> str
 def _library_path(cc: str) -> tuple[Path, list[list[str]]]:
     cmds = _commands(cc, _loaded_openmp())
     tag = cache_key(SOURCE.read_bytes(), _compiler_id(cc), cmds)
-    return _cache_dir() / f"cpu_kernels-{tag}.so", cmds
+    return _cache_dir() / f"cpu_amx-{tag}.so", cmds
 
 
 def _sha_file(lib: Path) -> Path:
@@ -214,11 +214,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = _open_library(cc)
     except UnsafeCacheDir as e:
         why = f"refusing the kernel cache: {e}"
-        log.warning("cpu_kernels: %s; PyTorch's kernels are used instead", why)
+        log.warning("cpu_amx: %s; PyTorch's kernels are used instead", why)
         return None, why
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         why = f"building the kernel failed: {e}"
-        log.warning("cpu_kernels: %s; PyTorch's kernels are used instead", why)
+        log.warning("cpu_amx: %s; PyTorch's kernels are used instead", why)
         return None, why
     lib.fastmtp_linear_bf16_amx.restype = None
     lib.fastmtp_linear_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -294,7 +294,7 @@ def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torc
     """``x @ W.T + bias`` for a bf16 ``x`` [..., K] on the CPU (``bias`` [N], any float dtype)."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"cpu_kernels is unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"cpu_amx is unavailable: {unavailable_reason()}")
     if x.dtype != torch.bfloat16 or x.shape[-1] != p.k or x.device.type != "cpu":
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} {x.device} does not fit a packed bf16 "
                          f"weight of {p.k} inputs on the CPU")
