@@ -15,6 +15,7 @@ from fastmtp_sglang.core.errors import FastMTPError
 # one module per command, in help order
 COMMAND_MODULES = [
     "fastmtp_sglang.cli.convert",
+    "fastmtp_sglang.cli.export",
     "fastmtp_sglang.cli.init_head",
     "fastmtp_sglang.cli.inspect_draft",
     "fastmtp_sglang.cli.serve",

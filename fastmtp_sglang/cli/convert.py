@@ -22,10 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "draft directory's layout", description=lib.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="base checkpoint (directory or .safetensors file with config.json "
-                   "beside it; sharded checkpoints need model.safetensors.index.json) or a draft dir")
+                   "beside it; sharded checkpoints need model.safetensors.index.json), a draft dir, or a "
+                   "speculators (mtp) dir")
     p.add_argument("out", help="output draft directory (must not exist unless --overwrite)")
     p.add_argument("--format", choices=FORMATS, default=None,
-                   help="how SRC names its MTP layer (omit for a draft directory)")
+                   help="how SRC names its MTP layer (omit for a draft or speculators directory)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="layout to write (default: the source's); conversions are exact")
     p.add_argument("--mtp-index", type=int, default=0, help="which MTP layer, for checkpoints "

@@ -9,6 +9,8 @@ Source naming (``--format``):
             eh_proj sees cat[embed, hidden]
   split     as deepseek, with e_proj and h_proj (two H x H matrices) in place of eh_proj
   draft     a draft directory (auto-detected)
+  speculators  a speculators-format directory of the `mtp` algorithm (auto-detected;
+            core/speculators_format.py): mtp_layers.0.*, input_proj sees cat[embed, hidden]
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import torch
 
 from fastmtp_sglang.core.checkpoint import CheckpointReader
 from fastmtp_sglang.core.draft_dir import (
-    check_output, check_tensors, expected_shapes, load_draft_dir, make_draft_config,
-    save_draft_dir,
+    check_output, check_tensors, expected_shapes, is_draft_dir, load_draft_dir,
+    make_draft_config, save_draft_dir,
 )
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.core.head import LAYOUTS, HeadConfig
 from fastmtp_sglang.core.identity import target_identity
 
-FORMATS = ("mimo", "deepseek", "split", "draft")
+FORMATS = ("mimo", "deepseek", "split", "draft", "speculators")
 
 _BLOCK = [
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -152,7 +154,7 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: st
     if layout is not None and layout not in LAYOUTS:
         raise FastMTPError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     check_output(out, overwrite)  # before reading SRC: --overwrite replaces only a draft directory
-    is_draft = src.is_dir() and (src / "config.json").is_file() and '"fastmtp"' in (src / "config.json").read_text()
+    is_draft = is_draft_dir(src)  # parsed: an exported checkpoint may say "fastmtp" elsewhere
     if is_draft:
         if fmt not in (None, "draft"):
             raise FastMTPError(f"{src} is a draft directory, not a {fmt} base checkpoint; "
@@ -169,6 +171,10 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, layout: st
         cfg["fastmtp"].update(meta)
         cfg["fastmtp"]["converted_from"] = {"path": str(src), "layout": src_layout}
         return save_draft_dir(out, cfg, sd, overwrite=overwrite)
+    from fastmtp_sglang.core.speculators_format import import_speculators, is_speculators_dir
+
+    if fmt == "speculators" or (fmt is None and is_speculators_dir(src)):
+        return import_speculators(src, out, layout=layout, dtype=dtype, overwrite=overwrite)
     if fmt is None:
         raise FastMTPError(f"{src} is not a draft directory: pass --format mimo, deepseek or split "
                            "to say how its MTP layer is named")
