@@ -522,3 +522,30 @@ def reference_server(args: list[str], log_path: Path, startup_s: float = 90.0):
     127.0.0.1; yield its URL once /health answers; stop it on exit."""
     with reference_server_process(args, log_path, startup_s) as (url, _):
         yield url
+
+
+# --------------------------------------------------------------------------------------------
+# holding a server's engine with events, not time windows (docs/STYLE.md, habit 13)
+# --------------------------------------------------------------------------------------------
+
+HANG_S = 60.0  # a hang guard only: how long a test waits for an event that must come
+
+
+def gated_prefill(gate: list[int], flag: Path) -> str:
+    """Python source for ``reference_server_process(prelude=...)``: a prefill holding a prompt
+    that starts with ``gate`` waits until the file ``flag`` exists (HANG_S at most), so requests
+    sent meanwhile queue behind it and join its batch together once the test creates the file."""
+    return f"""
+import os as _os, time as _time
+from fastmtp_sglang.decode import engine as _gate_engine
+_ungated = _gate_engine.ReferenceEngine._prefill
+
+def _gated(self, requests, keys, on_tokens, *room):
+    if any(list(r.input_ids[:{len(gate)}]) == {list(gate)!r} for r in requests):
+        deadline = _time.monotonic() + {HANG_S!r}
+        while not _os.path.exists({str(flag)!r}) and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+    return _ungated(self, requests, keys, on_tokens, *room)
+
+_gate_engine.ReferenceEngine._prefill = _gated
+"""
