@@ -1,8 +1,9 @@
 """`fastmtp export --native`: a target checkpoint written again with a trained head as its own MTP
 layer, in the family's names (MiMo; DeepSeek-V3 with a dense block).
 
-- SGLang 0.5.23's own MiMoMTP loads the exported MiMo checkpoint (every tensor of it, through
-  SGLang's safetensors iterator) and its forward equals FastMTPHead's logits (fp32, 1e-5);
+- SGLang 0.5.23's own ModelConfig picks MiMoMTP for the exported MiMo checkpoint, which loads
+  every tensor of it through SGLang's safetensors iterator; its forward equals FastMTPHead's
+  logits (fp32, 1e-5);
 - `fastmtp convert` round-trips: import -> export -> import is equal bit for bit;
 - every original tensor is byte-equal, shards stay the source's files (+ one MTP shard), the index
   names every tensor, the write is atomic;
@@ -363,14 +364,41 @@ def sgl():
             reset_context()
 
 
-def sglang_mimo(sgl, out, embed_w, lm_w):
-    """SGLang's MiMoMTP, fed every tensor of the exported checkpoint by SGLang's own iterator."""
-    from transformers import Qwen2Config
+# what MiMo checkpoints ship so that transformers reads model_type "mimo" (remote code): a Qwen2
+# config with one more key. Written here, not fetched.
+_MIMO_CONFIG_PY = '''from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 
-    cfg = json.loads((out / "config.json").read_text())
-    hf = Qwen2Config(**{k: v for k, v in cfg.items() if k != ex.EXPORT_KEY})  # MiMo's config is Qwen2's
-    hf.architectures = ["MiMoMTP"]
-    model = sgl.MiMoMTP(hf)
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, *args, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(*args, **kwargs)
+'''
+
+
+@pytest.fixture(scope="module")
+def mimo_remote(tmp_path_factory, mimo_ckpt):
+    """The MiMo fixture as MiMo ships: configuration_mimo.py and auto_map in config.json."""
+    path = tmp_path_factory.mktemp("mimo_remote") / "MiMo-tiny"
+    shutil.copytree(mimo_ckpt.path, path)
+    (path / "configuration_mimo.py").write_text(_MIMO_CONFIG_PY)
+    cfg = dict(mimo_ckpt.config, auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    return SimpleNamespace(path=path, config=mimo_ckpt.config, embed=mimo_ckpt.embed,
+                           lm_head=mimo_ckpt.lm_head)
+
+
+def sglang_mimo(sgl, out, embed_w, lm_w):
+    """The draft SGLang makes of a checkpoint: its own ModelConfig (draft, EAGLE) picks the class
+    from config.json, and its safetensors iterator feeds load_weights every tensor."""
+    from sglang.srt.configs.model_config import ModelConfig
+    mc = ModelConfig(model_path=str(out), is_draft_model=True, speculative_algorithm="EAGLE",
+                     trust_remote_code=True)
+    # the registry resolves an architecture to the EntryClass of that name
+    assert mc.hf_config.architectures == [sgl.MiMoMTP.__name__] and mc.num_nextn_predict_layers == 1
+    model = sgl.MiMoMTP(mc.hf_config)
     model.load_weights(sgl.weights(sorted(str(f) for f in out.glob("*.safetensors"))))
     model.set_embed_and_head(embed_w, lm_w)
     return model.eval()
@@ -436,12 +464,13 @@ def _inputs(cfg, zero_token: int, seed: int = 0):
 
 
 @pytest.mark.sglang
-def test_sglang_mimomtp_serves_the_export(sgl, mimo_ckpt, mimo_head, tmp_path):
-    out = ex.export_native(mimo_ckpt.path, mimo_head, tmp_path / "out")
-    cfg = mimo_ckpt.config
+def test_sglang_mimomtp_serves_the_export(sgl, mimo_remote, mimo_head, tmp_path):
+    out = ex.export_native(mimo_remote.path, mimo_head, tmp_path / "out")
+    assert (out / "configuration_mimo.py").read_text() == _MIMO_CONFIG_PY
+    cfg = mimo_remote.config
     # SGLang's MiMoMTP zeroes the embedding at position 0 (FastMTPHead does not, design 4.3):
     # put a token whose embedding row is zero there, so the two compute the same function
-    embed_w, lm_w = mimo_ckpt.embed.clone(), mimo_ckpt.lm_head.clone()
+    embed_w, lm_w = mimo_remote.embed.clone(), mimo_remote.lm_head.clone()
     embed_w[5] = 0.0
     model = sglang_mimo(sgl, out, embed_w, lm_w)
     ids, hidden = _inputs(cfg, zero_token=5)
@@ -450,20 +479,20 @@ def test_sglang_mimomtp_serves_the_export(sgl, mimo_ckpt, mimo_head, tmp_path):
     torch.testing.assert_close(got.next_token_logits, want_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.hidden_states, want_h, atol=1e-5, rtol=1e-5)
     # the head, not the checkpoint's old MTP layer, is what SGLang loaded
-    old = sglang_mimo(sgl, mimo_ckpt.path, embed_w, lm_w)
+    old = sglang_mimo(sgl, mimo_remote.path, embed_w, lm_w)
     assert (sglang_extend(sgl, old, cfg, ids, hidden).next_token_logits - want_logits).abs().max() > 0.1
 
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("mutation", ["swapped concat order", "dropped tensor"])
-def test_sglang_sees_a_wrong_export(mutation, sgl, mimo_ckpt, mimo_head, tmp_path, monkeypatch):
+def test_sglang_sees_a_wrong_export(mutation, sgl, mimo_remote, mimo_head, tmp_path, monkeypatch):
     """SGLang's logits catch these two; a wrong layer index it does not (MiMoMTP maps every
     mtp_layers.{i} onto its one layer), which is why the name check above exists."""
-    out = export_mutated(monkeypatch, mutation, mimo_ckpt.path, mimo_head, tmp_path / "out")
-    embed_w, lm_w = mimo_ckpt.embed.clone(), mimo_ckpt.lm_head.clone()
+    out = export_mutated(monkeypatch, mutation, mimo_remote.path, mimo_head, tmp_path / "out")
+    embed_w, lm_w = mimo_remote.embed.clone(), mimo_remote.lm_head.clone()
     embed_w[5] = 0.0
     torch.manual_seed(0)  # a dropped tensor leaves SGLang's parameter as constructed
-    got = sglang_extend(sgl, sglang_mimo(sgl, out, embed_w, lm_w), mimo_ckpt.config,
-                        *_inputs(mimo_ckpt.config, zero_token=5))
-    _, want = head_reference(mimo_head, embed_w, lm_w, *_inputs(mimo_ckpt.config, zero_token=5))
+    got = sglang_extend(sgl, sglang_mimo(sgl, out, embed_w, lm_w), mimo_remote.config,
+                        *_inputs(mimo_remote.config, zero_token=5))
+    _, want = head_reference(mimo_head, embed_w, lm_w, *_inputs(mimo_remote.config, zero_token=5))
     assert not torch.allclose(got.next_token_logits, want, atol=1e-3)
