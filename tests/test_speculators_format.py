@@ -121,10 +121,13 @@ def _one_line(run_cli, *args) -> str:
     return err
 
 
-def test_bad_input(deepseek_ckpt, tmp_path, run_cli):
+def test_bad_input(deepseek_ckpt, qwen2_target, tmp_path, run_cli):
     head = random_head(tmp_path / "head", deepseek_ckpt.config, "deepseek", seed=3)
     (tmp_path / "exists").mkdir()
     assert "already exists" in _one_line(run_cli, "export", "--speculators", head, tmp_path / "exists")
+    err = _one_line(run_cli, "export", "--speculators", head, tmp_path / "d", "--verifier",
+                    qwen2_target.path)
+    assert "hidden_size 64" in err and "48" in err and "--verifier" in err
     spec = sf.export_speculators(head, tmp_path / "spec")
     # a qwen3 block (q/k norms) is not one FastMTPHead has
     cfg = json.loads((spec / "config.json").read_text())
@@ -142,7 +145,7 @@ def test_bad_input(deepseek_ckpt, tmp_path, run_cli):
     save_file(t, str(spec / "model.safetensors"))
     rc, _, err = run_cli("convert", spec, tmp_path / "c")
     assert rc == 1 and "missing: mtp_layers.0.mlp.up_proj.weight" in err
-    assert not any((tmp_path / x).exists() for x in "abc")
+    assert not any((tmp_path / x).exists() for x in "abcd")
 
 
 # ------------------------------------------------------------------------------------------------

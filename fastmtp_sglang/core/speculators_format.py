@@ -46,7 +46,7 @@ from fastmtp_sglang.core.draft_dir import (
     ARCH_KEYS, CONFIG_NAME, WEIGHTS_NAME, atomic_dir, check_output, check_tensors,
     expected_shapes, load_draft_dir, make_draft_config, save_draft_dir,
 )
-from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
+from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
 from fastmtp_sglang.core.head import LAYOUTS, HeadConfig
 
 SPECULATORS_VERSION = "0.9.0"
@@ -83,11 +83,19 @@ def copy_tables(entries: Any, src: Path, dst: Path) -> None:
 
 
 def _verifier(head_cfg: dict[str, Any], verifier: str | None) -> dict[str, Any]:
-    """speculators' VerifierConfig fields: the target's name or path and its architectures."""
+    """speculators' VerifierConfig fields: the target's name or path and its architectures. A
+    local target directory must fit the head (speculators checks the hidden size at load)."""
     base = head_cfg.get("fastmtp", {}).get("base_model") or {}
     name = verifier or base.get("name")
     archs: list[str] = []
     if name and (Path(name) / CONFIG_NAME).is_file():
+        target = json.loads((Path(name) / CONFIG_NAME).read_text())
+        target = target.get("text_config") or target
+        for key in ("hidden_size", "vocab_size"):
+            if target.get(key) is not None and target[key] != head_cfg.get(key):
+                raise MismatchError(
+                    f"the head has {key} {head_cfg.get(key)}, the verifier {name} has "
+                    f"{target[key]}: pass --verifier the target this head was made for")
         archs = list(json.loads((Path(name) / CONFIG_NAME).read_text()).get("architectures") or [])
     if not archs:  # the family's causal LM, as transformers names it
         archs = ["Qwen2ForCausalLM" if head_cfg.get("model_type") == "qwen2" else "LlamaForCausalLM"]
