@@ -3,12 +3,19 @@
 Run it with ``fastmtp serve --engine reference --target T --draft D --steps K --port P``.
 
 This module is the HTTP side: the FastAPI app and its routes, streaming responses, uvicorn with
-our h11 header timeout, the listening socket and the signal handling. ``ReferenceServer`` is
+our h11 protocol (a header timeout on every request of a connection, a connection limit, a write
+timeout), the listening socket and the signal handling. ``ReferenceServer`` is
 the engine worker (fastmtp_sglang.serving.worker: queue, batching, abort, info) with this in
 front of it; the API, its fields and its errors are described in fastmtp_sglang.serving.protocol.
 
 Concurrency: the HTTP side is FastAPI on uvicorn (SGLang's own HTTP stack): one event loop, so a
-slow or stalled client holds a socket, not a thread.
+slow or stalled client holds a socket, not a thread. What a hostile client can hold is bounded:
+at most ``max_connections`` connections (more are answered 503 as they open); each request's
+headers within ``read_timeout_s`` (on every request of a keep-alive connection, not only the
+first, as uvicorn's own keep-alive timer would have it); its body within ``read_timeout_s``,
+before it takes a place in the queue; a response left unread for ``write_timeout_s`` ends the
+connection and aborts its request; a stream buffers one cumulative chunk, however slowly its
+client reads.
 
 Shutdown (SIGTERM or SIGINT): the listening socket closes, new requests get 503, requests in
 flight get ``shutdown_timeout_s`` to finish; then every one left is aborted with a proper final
@@ -39,8 +46,8 @@ from starlette.requests import ClientDisconnect
 
 from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.serving.protocol import (
-    ABORT_BODY_BYTES, BACKLOG, DISCARD_BYTES, MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S,
-    SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput, HTTPError)
+    ABORT_BODY_BYTES, BACKLOG, DISCARD_BYTES, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_QUEUE,
+    READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WRITE_TIMEOUT_S, BadRequest, GenerateInput, HTTPError)
 from fastmtp_sglang.serving.worker import STOP_WORKER_S, EngineWorker
 
 if TYPE_CHECKING:
@@ -59,7 +66,11 @@ class ReferenceServer(EngineWorker):
     ----------
     host, port : where to listen; port 0 picks a free port (see ``url``). The socket is bound
         here, so a taken port raises OSError from the constructor.
-    engine and the keyword arguments : as :class:`fastmtp_sglang.serving.worker.EngineWorker`
+    write_timeout_s : a connection whose client leaves what was sent unread this long (the
+        send buffer stays full) is closed, and its request aborted
+    max_connections : connections open at once; one more is answered 503 as it opens
+    engine and the other keyword arguments : as
+        :class:`fastmtp_sglang.serving.worker.EngineWorker`
     """
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 30000, *,
@@ -67,7 +78,15 @@ class ReferenceServer(EngineWorker):
                  batch_window_s: float = 0.0, log_requests: bool = False,
                  max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
                  read_timeout_s: float = READ_TIMEOUT_S,
-                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, backlog: int = BACKLOG):
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, backlog: int = BACKLOG,
+                 write_timeout_s: float = WRITE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
+        for name, value, low in (("write_timeout_s", write_timeout_s, 1e-3),
+                                 ("max_connections", max_connections, 1)):
+            if not value >= low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self.write_timeout_s, self.max_connections = write_timeout_s, max_connections
+        self._receiving = 0  # /generate bodies being read (event loop only)
         super().__init__(engine, model_path=model_path, draft_path=draft_path, max_batch=max_batch,
                          batch_window_s=batch_window_s, log_requests=log_requests,
                          max_queue=max_queue, max_body_bytes=max_body_bytes,
@@ -194,9 +213,16 @@ class ReferenceServer(EngineWorker):
     def _release(self) -> None:
         self._sock.close()
 
+    def server_info(self) -> dict[str, Any]:
+        info = super().server_info()
+        state = getattr(self._uv, "server_state", None)
+        info.update(connections=len(state.connections) if state is not None else 0,
+                    max_connections=self.max_connections, receiving=self._receiving)
+        return info
+
 
 # ----------------------------------------------------------------------------------------------
-# HTTP: FastAPI routes, the event stream, uvicorn with our signals and header timeout
+# HTTP: FastAPI routes, the event stream, uvicorn with our signals and connection limits
 # ----------------------------------------------------------------------------------------------
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -314,9 +340,13 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
         inp = GenerateInput(None, [first if first is not None else 0],
                             SamplingParams(max_new_tokens=1), False, "health-" + uuid.uuid4().hex)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        try:
-            srv.submit(inp, inp.input_ids, _emitter(loop, queue), internal=True)
+        slot = None
+        try:  # admitted like any request: a full queue is 503 here too
+            slot = srv.admit()
+            srv.submit(inp, inp.input_ids, _emitter(loop, queue), slot, internal=True)
         except HTTPError as exc:
+            if slot is not None:
+                slot.release()
             return _error_response(exc.status, exc.message, exc.headers)
         while True:
             kind, payload = await queue.get()
@@ -353,27 +383,35 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: HTTPRequest):
-        try:
-            slot = srv.admit()
-        except HTTPError as exc:
-            return _error_response(exc.status, exc.message, exc.headers)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        slot = None
+        srv._receiving += 1
         try:
-            body = await read_body(request, srv.max_body_bytes)
+            try:
+                body = await read_body(request, srv.max_body_bytes)
+            finally:
+                srv._receiving -= 1
+            # a place in the queue once the body is here: clients still sending (or stalled
+            # half-way, up to read_timeout_s) hold a connection, never a place
+            slot = srv.admit()
             inp, ids = await loop.run_in_executor(srv._prep, srv.prepare, body)
             job = srv.submit(inp, ids, _emitter(loop, queue), slot)
         except BadRequest as exc:
-            slot.release()
+            if slot is not None:
+                slot.release()
             srv.stats.add(failed=1)
             return _error_response(HTTPStatus.BAD_REQUEST, str(exc))
         except HTTPError as exc:
-            slot.release()
+            if slot is not None:
+                slot.release()
             return _error_response(exc.status, exc.message, exc.headers)
         except ClientDisconnect:
-            slot.release()
+            if slot is not None:
+                slot.release()
             return Response(status_code=499)  # nobody reads it
         except BaseException:
-            slot.release()
+            if slot is not None:
+                slot.release()
             raise
         if inp.stream:
             return _EventStream(srv, job, queue)
@@ -451,11 +489,16 @@ def _aborted_response(srv: ReferenceServer, status: int, partial: dict[str, Any]
                            {"Retry-After": str(srv.retry_after_s())})
 
 
+CLOSE_REASON = "fastmtp_close_reason"  # scope["state"] key: why our protocol cut a connection
+
+
 class _EventStream(Response):
     """The ASGI response of a streaming /generate: waits for the request to join a batch, then
     sends server-sent events until the final one, then ``data: [DONE]``. A disconnect aborts the
-    request. Chunks are cumulative, so when the client reads slower than tokens arrive only the
-    newest waiting chunk is sent (memory stays bounded whatever the client does)."""
+    request. Chunks are cumulative, and a ``chunk`` event carries no output: the newest output
+    is taken when it can be sent (``EngineWorker.stream_chunk``), so a client that reads slower
+    than tokens arrive costs one chunk of memory whatever it does; one that reads nothing for
+    ``write_timeout_s`` is cut off by the protocol (``_h11_protocol``) and its request aborted."""
 
     def __init__(self, srv: ReferenceServer, job: _Job, queue: asyncio.Queue):
         super().__init__(status_code=200, media_type="text/event-stream")
@@ -468,7 +511,8 @@ class _EventStream(Response):
         finally:
             gone.cancel()
             if not self.job.closed:
-                self.srv.abort(self.job, "the client disconnected")
+                reason = (scope.get("state") or {}).get(CLOSE_REASON, "the client disconnected")
+                self.srv.abort(self.job, reason)
 
     async def _run(self, send, gone: asyncio.Future) -> None:
         started = False
@@ -480,21 +524,23 @@ class _EventStream(Response):
             while not self.queue.empty():
                 events.append(self.queue.get_nowait())
             final = next((e for e in events if e[0] in ("done", "error", "aborted")), None)
-            chunks = [e for e in events if e[0] == "chunk"]
+            saw_chunk = any(e[0] == "chunk" for e in events)
             if not started:
-                if final is not None and final[0] == "error" and not chunks:
+                if final is not None and final[0] == "error" and not saw_chunk:
                     # refused before generation started: a plain HTTP error
                     return await _send_response(send, _error_response(*final[1]))
                 if final is not None and final[0] == "aborted" and final[1][0] != HTTPStatus.OK \
-                        and not chunks:
+                        and not saw_chunk:
                     return await _send_response(send, _aborted_response(self.srv, *final[1]))
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                         (b"cache-control", b"no-cache")]})
                 started = True
             out = []
-            if chunks and final is None:
-                out.append(_event_bytes(chunks[-1][1]))
+            if saw_chunk and final is None:
+                chunk = self.srv.stream_chunk(self.job)
+                if chunk is not None:
+                    out.append(_event_bytes(chunk))
             if final is not None:
                 kind, payload = final
                 if kind == "error":
@@ -515,22 +561,118 @@ async def _send_response(send, response: Response) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-def _h11_protocol(header_timeout_s: float):
-    """uvicorn's h11 protocol, closing a connection whose first request's headers have not
-    arrived within ``header_timeout_s`` (uvicorn itself waits for them forever)."""
+def _refusal_bytes(message: str, retry_after: int) -> bytes:
+    """A whole HTTP/1.1 503 response, written before any request has been read (h11 cannot
+    answer a request it has not seen)."""
+    body = json.dumps({"error": {"message": message}}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nretry-after: {retry_after}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def _h11_protocol(srv: ReferenceServer):
+    """uvicorn's h11 protocol with three limits uvicorn lacks:
+
+    - **headers**: a connection is closed when a request's headers have not arrived within
+      ``read_timeout_s`` of the connection opening or of the previous response. (uvicorn waits
+      for a first request forever, and its keep-alive timer is cancelled by any byte, so the
+      partial headers of a second request held a connection forever.)
+    - **connections**: past ``max_connections`` open connections, a new one is answered 503 with
+      Retry-After at once and closed (after reading what its client sends for a moment, so the
+      client sees the 503 rather than a reset).
+    - **writes**: when the transport's buffer stays above its high-water mark (the client reads
+      nothing) for ``write_timeout_s``, the connection is cut (not closed gracefully: that would
+      wait for the client to read), the request's coroutine sees a disconnect, and the log says
+      why; a stream's abort message carries it (``CLOSE_REASON``).
+    """
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    header_s, write_s, limit = srv.read_timeout_s, srv.write_timeout_s, srv.max_connections
+
     class Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+        _refused = False
+        _lost = False
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+            if len(self.connections) > limit:
+                self._refuse()
+            else:
+                self._arm_header_timer()
 
-        def _header_timeout(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            # the cycle of the last request: a new request's headers replace it
+            self._header_timer = self.loop.call_later(header_s, self._header_timeout, self.cycle)
+
+        def _header_timeout(self, cycle) -> None:
+            if self._lost or self.cycle is not cycle or (cycle is not None
+                                                         and not cycle.response_complete):
+                return  # gone, or a request came (its response re-arms the timer)
+            if not self.transport.is_closing():
+                srv.stats.add(header_timeouts=1)
+            if self.transport.is_closing() or self.transport.get_write_buffer_size():
+                self.transport.abort()  # (a close waits for a client that may never read)
+            else:
                 self.transport.close()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # (may start a pipelined request: self.cycle)
+            if not self._lost:
+                self._arm_header_timer()
+
+        def _refuse(self) -> None:
+            self._refused = True
+            self.connections.discard(self)  # not counted: it is on its way out
+            srv.stats.add(connections_refused=1)
+            self.transport.write(_refusal_bytes(
+                f"the server has {limit} connections open (its limit, max_connections); retry "
+                "later", srv.retry_after_s()))
+            self.transport.write_eof()
+            # read (and drop) what the client sends until it closes, for a moment at most
+            self._header_timer = self.loop.call_later(min(header_s, 2.0), self.transport.abort)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None and not self._lost:
+                self._write_timer = self.loop.call_later(write_s, self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            if self._lost:
+                return
+            reason = (f"the client left what was sent unread for {write_s:g} s (write timeout); "
+                      "connection closed")
+            srv.stats.add(write_timeouts=1)
+            what = ""
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.scope.setdefault("state", {})[CLOSE_REASON] = reason
+                what = f" during {self.cycle.scope['method']} {self.cycle.scope['path']}"
+            peer = "%s:%d" % self.client if self.client else "a client"
+            print(f"fastmtp serve: {peer}{what}: {reason}"
+                  + ("; its request is aborted if still running" if what else ""),
+                  file=sys.stderr, flush=True)
+            self.transport.abort()
+
         def connection_lost(self, exc) -> None:
-            self._header_timer.cancel()
+            self._lost = True
+            for timer in (self._header_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
 
     return Protocol
@@ -582,7 +724,7 @@ def _make_uvicorn(srv: ReferenceServer):
                           HTTPStatus.SERVICE_UNAVAILABLE)
 
     config = uvicorn.Config(
-        srv.app, http=_h11_protocol(srv.read_timeout_s), loop="asyncio", lifespan="off",
+        srv.app, http=_h11_protocol(srv), loop="asyncio", lifespan="off",
         log_level="warning", access_log=False, backlog=srv._backlog,
         # a safety net only: our own abort answers everything after shutdown_timeout_s, and a
         # body read ends after read_timeout_s

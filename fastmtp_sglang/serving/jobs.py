@@ -1,7 +1,7 @@
 """The reference server's bookkeeping of requests in flight: a place in the bounded queue
-(``_Slot``), one /generate request from submission to its final event (``_Job``), the server's
-lifetime counters (``ServerStats``), and what the worker loop (fastmtp_sglang.serving.worker)
-raises and reports with them."""
+(``_Slot``), one /generate request from submission to its final event (``_Job``), and the
+server's lifetime counters (``ServerStats``) that the worker loop (fastmtp_sglang.serving.worker)
+and the HTTP side report with."""
 
 from __future__ import annotations
 
@@ -36,9 +36,12 @@ class _Job:
     """One /generate request from submission to its final event.
 
     Events go to the HTTP side through ``emit`` (thread-safe, never blocks): ``accepted`` (it
-    joined a batch), ``chunk`` (stream), then exactly one final event: ``done`` (the result),
-    ``error`` ((status, message)) or ``aborted`` ((status, partial result)). ``lock`` orders the
-    worker's events against an abort from the HTTP side, so nothing follows a final event."""
+    joined a batch), ``chunk`` (stream: new output is ready, no payload; at most one is on its
+    way at a time, ``chunk_pending``, and the HTTP side takes the output when it can send it, so
+    a client that reads slowly holds one cumulative chunk, not one per cycle), then exactly one
+    final event: ``done`` (the result), ``error`` ((status, message)) or ``aborted`` ((status,
+    partial result)). ``lock`` orders the worker's events against an abort from the HTTP side,
+    so nothing follows a final event."""
 
     inp: GenerateInput
     input_ids: list[int]
@@ -49,8 +52,13 @@ class _Job:
     req: Request | None = None  # the engine request of the current run
     prefix: list[int] = field(default_factory=list)         # a resumed run starts after these
     out_ids: list[int] = field(default_factory=list)        # this run's tokens so far
-    streamed_ids: list[int] = field(default_factory=list)   # what a stream has sent the client
-    sent_text: str = ""
+    # a stream's output so far, as the client sees it (sent, or ready to be sent): a re-run
+    # after a fault resumes after it
+    streamed_ids: list[int] = field(default_factory=list)
+    stream_text: str = ""            # its text, detokenized incrementally
+    text_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of that detokenizer
+    chunk_pending: bool = False      # a ``chunk`` event not yet taken by the HTTP side (lock)
+    queued: bool = False             # in the worker's wait queue (the worker's _cond)
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,6 +88,9 @@ class ServerStats:
         self.generated_tokens = 0    # every token the engine emitted, aborted and re-run ones too
         self.cycles = 0
         self.accepted = 0
+        self.connections_refused = 0  # over max_connections: 503 as they opened
+        self.header_timeouts = 0     # connections closed waiting for a request's headers
+        self.write_timeouts = 0      # connections cut off: the client left what was sent unread
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -115,11 +126,10 @@ class ServerStats:
                 "completion_tokens": self.completion_tokens,
                 "generated_tokens": self.generated_tokens,
                 "spec_verify_ct": self.cycles,
+                "connections_refused": self.connections_refused,
+                "header_timeouts": self.header_timeouts,
+                "write_timeouts": self.write_timeouts,
             }
-
-
-class _EngineFailure(Exception):
-    """engine.generate raised on a batch (the original exception is the cause)."""
 
 
 def _rss_bytes() -> int:

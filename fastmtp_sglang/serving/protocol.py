@@ -35,17 +35,27 @@ SGLang compatibility decisions:
   verification cycle served (accepted + 1 per cycle), as SGLang's scheduler counts it.
 - A prompt that fills the context is refused with 400 (SGLang does too); a prompt that fits but
   whose ``max_new_tokens`` would overflow the context is cut at the context with finish reason
-  ``length`` (SGLang refuses it).
+  ``length`` (SGLang refuses it). A ``max_new_tokens`` larger than the context itself is refused
+  with 400.
 - A client that disconnects aborts its request (SGLang does the same): its row leaves the batch
   at the next verification cycle.
 
 Errors: every error is JSON ``{"error": {"message": ...}}``. 400: malformed or too deeply nested
 JSON, a bad field, a sampling parameter outside what the engine's float32 / int64 tensors hold, a
 lone surrogate in ``text``, a prompt longer than the context (checked from its length in
-characters before tokenizing when that already proves it). 404 / 405: unknown route or method.
-408: the body did not arrive within ``read_timeout_s``. 413: a body over ``max_body_bytes``,
-refused from its Content-Length before any of it is read. 503 + ``Retry-After``: the queue is
-full, or the server is shutting down. 500: the engine failed on this request.
+characters before tokenizing when that already proves it), ``max_new_tokens`` over the context,
+more than MAX_STOP_STRINGS stop strings, one longer than MAX_STOP_CHARS, more than
+MAX_STOP_TOKEN_IDS stop token ids. 404 / 405: unknown route or method. 408: the body did not
+arrive within ``read_timeout_s``. 413: a body over ``max_body_bytes``, refused from its
+Content-Length before any of it is read. 503 + ``Retry-After``: the queue is full (checked once
+the body has arrived), the server has ``max_connections`` connections open (answered as the
+connection opens, then closed), or the server is shutting down. 500: the engine failed on this
+request.
+
+Connections: each request's headers must arrive within ``read_timeout_s`` of the connection
+opening or of the previous response (else the connection is closed); a client that leaves what
+the server sent unread for ``write_timeout_s`` is cut off and its request aborted (the log says
+so).
 """
 
 from __future__ import annotations
@@ -80,12 +90,19 @@ INT64_MAX = 2**63 - 1
 
 # Defaults of the knobs `fastmtp serve` exposes.
 MAX_BODY_BYTES = 8 << 20   # a 128K-token prompt is ~1 MB as input_ids, ~3 MB as escaped CJK text
-MAX_QUEUE = 128            # requests waiting for a batch (or still sending / being tokenized)
-READ_TIMEOUT_S = 30.0      # a request's headers and body must arrive within this
+MAX_QUEUE = 128            # requests read and waiting for a batch (or being tokenized)
+READ_TIMEOUT_S = 30.0      # each request's headers, and its body, must arrive within this
+WRITE_TIMEOUT_S = 30.0     # a client that leaves what was sent unread this long is cut off
+MAX_CONNECTIONS = 512      # open connections; more are answered 503 at once and closed
 SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
 BACKLOG = 2048             # listen backlog (uvicorn's default; Python's http.server had 5)
 ABORT_BODY_BYTES = 64 << 10
 DISCARD_BYTES = 256 << 20  # an oversized body up to this is drained unread before the 413
+# Stop lists: every cycle decodes each row's last tokens, as many as the longest stop string has
+# UTF-8 bytes, and looks for every stop string in that text; these caps bound that work
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class BadRequest(ValueError):
@@ -132,6 +149,22 @@ def _check_engine_dtypes(params: SamplingParams) -> None:
                          "dtype; -1 disables top-k")
 
 
+def _check_stop_lists(params: SamplingParams) -> None:
+    """Refuse stop lists past MAX_STOP_STRINGS / MAX_STOP_CHARS / MAX_STOP_TOKEN_IDS: each cycle
+    checks every stop string against each row's last tokens (as many as the longest string has
+    bytes), so their count and length set the per-cycle cost of every request in the batch."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"sampling_params['stop'] has {len(params.stop)} strings; this server "
+                         f"takes at most {MAX_STOP_STRINGS}")
+    longest = max(params.stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise BadRequest(f"sampling_params['stop'] has a string of {len(longest)} characters "
+                         f"({longest[:20]!r}...); this server takes at most {MAX_STOP_CHARS}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"sampling_params['stop_token_ids'] has {len(params.stop_token_ids)} ids; "
+                         f"this server takes at most {MAX_STOP_TOKEN_IDS}")
+
+
 def parse_generate(body: bytes | str) -> GenerateInput:
     """Parse and check a /generate request body (SGLang's ``GenerateReqInput``, one prompt).
 
@@ -140,7 +173,8 @@ def parse_generate(body: bytes | str) -> GenerateInput:
     BadRequest
         On malformed or too deeply nested JSON, a missing / doubled / mistyped field, a batch of
         prompts, an unknown field, a lone surrogate in ``text``, or a bad sampling parameter
-        (including one the engine's dtypes cannot hold); the message names the field.
+        (including one the engine's dtypes cannot hold, and stop lists past the caps above);
+        the message names the field.
     """
     try:
         obj = json.loads(body)
@@ -189,6 +223,7 @@ def parse_generate(body: bytes | str) -> GenerateInput:
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     _check_engine_dtypes(params)
+    _check_stop_lists(params)
     stream = obj.get("stream", False)
     if stream is None:
         stream = False

@@ -10,10 +10,12 @@ in flight and the counters are in fastmtp_sglang.serving.jobs).
 callable.
 
 Isolation: when the engine raises on a batch (a prefill of joining requests, or a cycle), its
-open requests are re-run apart, in halves (``engine.generate``), until the request that fails
-alone is found; it gets 500, every other request is answered as if nothing happened. A stream
-that had already sent tokens resumes after them (its prompt extended by what it was sent), so
-a re-run cannot contradict the client. Each request without a ``sampling_seed`` gets a random
+open requests are run apart, in halves, each half in a batch of its own, until the request that
+fails alone is found; it gets 500, every other request is answered as if nothing happened. The
+halves run beside the running batch, one prefill and one cycle of each per cycle of it, so a bad
+request never holds the other streams up for whole generations. A stream that had already sent
+tokens resumes after them (its prompt extended by what it was sent), so a re-run cannot
+contradict the client. Each request without a ``sampling_seed`` gets a random
 one, so a re-run of a request that had sent nothing reproduces its tokens (in float32; see
 docs/design.md section 6.3 on bf16).
 
@@ -23,7 +25,8 @@ requests waiting join the running batch (``ReferenceEngine.join``: prefilled, th
 its slot cache) up to ``max_batch`` rows, and each row leaves it the moment it finishes and is
 answered at once (``ReferenceEngine.step``). When no batch runs, the first request may wait
 ``batch_window_s`` for company. At most ``max_queue`` requests wait (counted from the moment
-their body starts to arrive); more get 503 with ``Retry-After``. The loop runs on a worker
+their body has arrived, so clients still sending take no place); more get 503 with
+``Retry-After``. A request aborted while it waits leaves the queue at once. The loop runs on a worker
 thread (``ReferenceServer.start``), or on the caller's thread (``serve_forever``, which
 ``fastmtp serve`` calls on the main thread, and ``drive``), where PyTorch's CPU kernels are
 fastest.
@@ -44,12 +47,25 @@ from http import HTTPStatus
 from typing import Any, Callable
 
 from fastmtp_sglang.decode.engine import Request, RequestError
-from fastmtp_sglang.serving.jobs import ServerStats, _EngineFailure, _Job, _rss_bytes, _Slot
+from fastmtp_sglang.serving.jobs import ServerStats, _Job, _rss_bytes, _Slot
 from fastmtp_sglang.serving.protocol import (
     MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
     HTTPError, max_token_chars, parse_generate, public_finish_reason)
 
 STOP_WORKER_S = 10.0       # after the last request is answered, how long to wait for the engine
+
+
+@dataclasses.dataclass
+class _Isolation:
+    """Requests the engine failed on, run apart from the running batch: ``groups`` wait to be
+    prefilled into a batch of their own (one group per turn of the worker loop), ``batches``
+    take one cycle each per turn, beside the running batch's."""
+
+    groups: deque = dataclasses.field(default_factory=deque)   # deque[list[_Job]]
+    batches: list = dataclasses.field(default_factory=list)    # engine Batches keyed by _Job
+
+    def rows(self) -> int:
+        return sum(len(g) for g in self.groups) + sum(len(q) for q in self.batches)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,13 +79,13 @@ class EngineWorker:
     Parameters
     ----------
     engine : ReferenceEngine (anything with ``start`` / ``join`` / ``step`` / ``result`` for
-        the running batch, ``generate`` for isolation re-runs, ``validate``, ``max_context``,
-        ``steps``, ``eos_ids`` and ``target.tokenizer``)
+        its batches, ``validate``, ``max_context``, ``steps``, ``eos_ids`` and
+        ``target.tokenizer``)
     model_path, draft_path : reported by /server_info and /get_model_info
     max_batch : most rows of the running batch, >= 1
     batch_window_s : after the first request of a batch, how long to wait for more; 0 = run at once
     log_requests : print one line per finished request to stderr
-    max_queue : requests that may wait for a batch (counted from the first byte of their body);
+    max_queue : requests that may wait for a batch (counted once their body has arrived);
         more get 503 + Retry-After
     max_body_bytes : larger bodies get 413 from their Content-Length, before they are read
     read_timeout_s : the headers and body of a request must arrive within this (else the
@@ -172,7 +188,8 @@ class EngineWorker:
                          {"Retry-After": str(self.retry_after_s())})
 
     def admit(self) -> _Slot:
-        """Take a queue slot for a request about to be read, or raise HTTPError 503."""
+        """Take a queue slot for a request whose body has been read (a client still sending
+        holds a connection, not a place in the queue), or raise HTTPError 503."""
         with self._cond:
             if self._draining:
                 raise self._busy("the server is shutting down; retry (on another replica)")
@@ -205,6 +222,11 @@ class EngineWorker:
             self.engine.validate(Request(ids, inp.params, inp.rid))
         except RequestError as exc:
             raise BadRequest(str(exc)) from None
+        n, ctx = inp.params.max_new_tokens, self.engine.max_context
+        if n > ctx:
+            shown = n if n < 10**12 else f"a {len(str(n))}-digit number"
+            raise BadRequest(f"sampling_params['max_new_tokens'] is {shown}; this server's context "
+                             f"is {ctx} tokens (prompt + output), so at most {ctx}: lower it")
         if inp.params.seed is None:  # so a re-run after an engine failure samples the same tokens
             inp.params.seed = secrets.randbits(62)
         return inp, ids
@@ -222,6 +244,7 @@ class EngineWorker:
                                  "own rid")
             self._jobs[inp.rid] = job
             self._waiting.append(job)
+            job.queued = True
             self._cond.notify_all()
         return job
 
@@ -240,6 +263,9 @@ class EngineWorker:
         with self._cond:
             if self._jobs.get(job.inp.rid) is job:
                 del self._jobs[job.inp.rid]
+            if job.queued:  # aborted while waiting: out of the queue now, not when it is reached
+                job.queued = False
+                self._waiting.remove(job)
         if job.slot is not None:
             job.slot.release()
 
@@ -288,11 +314,14 @@ class EngineWorker:
     def _work(self, until: threading.Event | None = None) -> None:
         """The engine loop (continuous batching): between two verify cycles, waiting requests
         join the running batch up to ``max_batch`` rows; finished rows leave it and are
-        answered at once. Runs on the worker thread, or on the caller's (``serve_forever``,
-        ``drive``: then it also returns once ``until`` is set and nothing is left to run)."""
+        answered at once. Requests the engine failed on run apart meanwhile, in batches of
+        their own that take one cycle each per turn of the loop (``_Isolation``). Runs on the
+        worker thread, or on the caller's (``serve_forever``, ``drive``: then it also returns
+        once ``until`` is set and nothing is left to run)."""
         b = None  # the running engine batch (fastmtp_sglang.decode.batch.Batch), keyed by job
+        iso = _Isolation()
         while True:
-            live = len(b) if b is not None else 0
+            live = (len(b) if b is not None else 0) + iso.rows()
             with self._cond:
                 def over() -> bool:
                     return self._stop or (until is not None and until.is_set())
@@ -311,6 +340,7 @@ class EngineWorker:
                 jobs = []
                 while self._waiting and live + len(jobs) < self.max_batch:
                     job = self._waiting.popleft()
+                    job.queued = False
                     if job.slot is not None:
                         job.slot.release()  # running now: its queue place goes to the next one
                     if not job.closed:
@@ -318,15 +348,20 @@ class EngineWorker:
             jobs = [job for job in jobs if job.send("accepted")]
             try:
                 if jobs:
-                    b = self._join(b, jobs)
+                    b = self._join(b, jobs, iso)
+                if iso.groups:  # one group of suspects starts apart per turn (one prefill)
+                    self._start_apart(iso.groups.popleft(), iso)
                 if b is not None and len(b):
-                    b = self._cycle(b)
+                    b = self._cycle(b, iso)
+                # a batch run apart that fails is dropped (its requests are suspects again)
+                iso.batches = [q for q in iso.batches
+                               if len(q) and self._cycle(q, iso, apart=True) is not None and len(q)]
             except Exception as exc:  # a bug outside the engine: fail what runs, keep serving
                 traceback.print_exc(file=sys.stderr)
-                running = list(b.rows) if b is not None else []
-                for job in jobs + [r.key for r in running]:
+                running = [r.key for q in [b, *iso.batches] if q is not None for r in q.rows]
+                for job in jobs + running + [j for g in iso.groups for j in g]:
                     self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-                b = None
+                b, iso = None, _Isolation()
 
     def _on_tokens(self, job: _Job, new: list[int]) -> None:
         self.stats.add(generated_tokens=len(new))
@@ -335,10 +370,10 @@ class EngineWorker:
             if job.inp.stream and not job.closed:
                 self._stream_chunk(job)
 
-    def _join(self, b, jobs: list[_Job]):
+    def _join(self, b, jobs: list[_Job], iso: "_Isolation"):
         """Prefill ``jobs`` into the running batch ``b`` (or a new one); returns the batch. When
-        the engine fails there, the joiners are run apart (``_run_isolating``: each fails only
-        if it fails alone) and ``b`` goes on (joining changes it all or nothing)."""
+        the engine fails there, ``b`` goes on (joining changes it all or nothing) and the joiners
+        become suspects, run apart (``_suspect``) while ``b`` keeps its cycles."""
         jobs = [job for job in jobs if self._needs_engine(job)]
         if not jobs:
             return b
@@ -351,16 +386,17 @@ class EngineWorker:
                 self.engine.join(b, reqs, jobs, self._on_tokens)
         except Exception as exc:
             failure = exc
-        if failure is not None:  # (outside the except block: re-runs raise their own)
-            self._suspects(jobs, failure)
+        if failure is not None:
+            self._suspect(jobs, failure, iso)
             return b
         self.stats.add_batch(len(b))
         return b
 
-    def _cycle(self, b):
-        """One verify cycle of the running batch; answers the rows that finished. When the
-        engine fails, rows it had finished are answered and every other open request of the
-        batch is re-run apart, each stream resuming after what it had sent; returns None then."""
+    def _cycle(self, b, iso: "_Isolation", apart: bool = False):
+        """One verify cycle of batch ``b``; answers the rows that finished; returns ``b``. When
+        the engine fails, rows it had finished are answered and every other open request of the
+        batch becomes a suspect (``_suspect``; ``apart``: ``b`` is a batch of suspects), each
+        stream to resume after what it had sent; returns None then."""
         try:
             finished = self.engine.step(b, self._on_tokens)
         except Exception as exc:
@@ -374,7 +410,7 @@ class EngineWorker:
                     self._answer_safely(r.key, lambda r=r: self.engine.result(r), len(b))
                 else:
                     open_jobs.append(r.key)
-            self._suspects(open_jobs, failure)
+            self._suspect(open_jobs, failure, iso, alone=apart and len(open_jobs) == 1)
             return None
         for job, res in finished:
             self._answer_safely(job, lambda res=res: res, len(b) + len(finished))
@@ -388,23 +424,52 @@ class EngineWorker:
             traceback.print_exc(file=sys.stderr)
             self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
 
-    def _suspects(self, jobs: list[_Job], exc: BaseException) -> None:
-        """The engine failed on a running batch holding ``jobs``: re-run them apart (one alone,
-        several in halves); only a request that fails alone gets the error."""
+    def _suspect(self, jobs: list[_Job], exc: BaseException, iso: "_Isolation",
+                 alone: bool = False) -> None:
+        """The engine failed on a batch (or a prefill) holding ``jobs``. ``alone``: it held one
+        request, already run apart: that request gets the error. Otherwise each open request is
+        run apart, several in halves (``iso.groups``, started one per turn of the loop), so only
+        a request that fails alone gets the error and the running batch is never held up by
+        more than one prefill per cycle (it had been, by whole ``generate`` calls)."""
         live = [job for job in jobs if not job.closed]
-        if len(live) > 1:
-            self._halves(jobs, live, exc)
-        elif live:
-            self._run_isolating(live)
-
-    def _isolate(self, jobs: list[_Job], exc: BaseException) -> None:
-        """``generate`` failed on ``jobs`` (an isolation run): fail the one, or split again."""
-        live = [job for job in jobs if not job.closed]
-        if len(jobs) == 1:
+        if alone:
             for job in live:
                 self._fail_engine(job, exc)
+            return
+        if len(live) > 1:
+            self.stats.add(retried_batches=1)
+            print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
+                  f"({type(exc).__name__}: {exc}); running its {len(live)} open request(s) apart, "
+                  "in halves, to find the one that caused it", file=sys.stderr, flush=True)
+            half = (len(live) + 1) // 2
+            iso.groups.extend([live[:half], live[half:]])
         elif live:
-            self._halves(jobs, live, exc)
+            iso.groups.append(live)
+
+    def _start_apart(self, group: list[_Job], iso: "_Isolation") -> None:
+        """Prefill a group of suspects into a batch of its own (``iso.batches``); the loop runs
+        its cycles beside the running batch's. When the prefill fails, the group is split again
+        (``_suspect``); a request alone in it gets the error."""
+        jobs = [job for job in group if not job.closed and self._needs_engine(job)]
+        if not jobs:
+            return
+        # a batch of suspects stays small: no room for max_batch rows (the engine's rows_hint)
+        hint = getattr(self.engine, "rows_hint", None)
+        if hint is not None:
+            self.engine.rows_hint = 0
+        failure = None
+        try:
+            q = self.engine.start([job.req for job in jobs], jobs, self._on_tokens)
+        except Exception as exc:
+            failure = exc
+        finally:
+            if hint is not None:
+                self.engine.rows_hint = hint
+        if failure is not None:
+            self._suspect(jobs, failure, iso, alone=len(jobs) == 1)
+            return
+        self.stats.add_batch(len(q))
+        iso.batches.append(q)
 
     def _fail(self, job: _Job, status: int, message: str) -> None:
         if self._finish(job, "error", (int(status), message)) and not job.internal:
@@ -414,41 +479,6 @@ class EngineWorker:
         traceback.print_exception(exc, file=sys.stderr)
         self._fail(job, HTTPStatus.INTERNAL_SERVER_ERROR,
                    f"the engine failed on this request: {type(exc).__name__}: {exc}")
-
-    def _halves(self, jobs: list[_Job], live: list[_Job], exc: BaseException) -> None:
-        self.stats.add(retried_batches=1)
-        print(f"fastmtp serve: the engine failed on a batch of {len(jobs)} "
-              f"({type(exc).__name__}: {exc}); re-running its {len(live)} open request(s) "
-              "in halves to find the one that caused it", file=sys.stderr, flush=True)
-        half = (len(live) + 1) // 2
-        for part in (live[:half], live[half:]):
-            if part:
-                self._run_isolating(part)
-
-    def _run_isolating(self, jobs: list[_Job]) -> None:
-        """Run a batch with ``generate``; when the engine fails on it, re-run it in halves so
-        that only the request that fails alone gets the error."""
-        try:
-            self._run_batch(jobs)
-            return
-        except _EngineFailure as exc:
-            cause = exc.__cause__
-        self._isolate(jobs, cause)
-
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        """One engine.generate over ``jobs`` (isolation re-runs); raises _EngineFailure when it
-        raises."""
-        jobs = [job for job in jobs if self._needs_engine(job)]
-        if not jobs:
-            return
-        reqs = [job.req for job in jobs]
-        self.stats.add_batch(len(jobs))
-        try:
-            results = self.engine.generate(reqs, on_tokens=lambda i, new: self._on_tokens(jobs[i], new))
-        except Exception as exc:
-            raise _EngineFailure() from exc
-        for job, res in zip(jobs, results):
-            self._answer(job, res, len(jobs))
 
     def _needs_engine(self, job: _Job) -> bool:
         """Prepare a job's next run (``job.req``); False when it needs none: the output its
@@ -526,24 +556,44 @@ class EngineWorker:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _stream_chunk(self, job: _Job) -> None:
-        """Send the cumulative output (job.lock held). A re-run after an engine failure stays
-        quiet until it has passed what the client was already sent."""
-        ids = job.out_ids
-        n = len(job.streamed_ids)
-        if len(ids) <= n and ids == job.streamed_ids[:len(ids)]:
-            return
-        text = self._decode(ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
-            text = job.sent_text
-        job.sent_text = text
-        job.streamed_ids = list(ids)
-        job.emit("chunk", {
-            "text": text,
-            "output_ids": list(ids),
-            "meta_info": {"id": job.inp.rid, "finish_reason": None,
-                          "prompt_tokens": len(job.input_ids),
-                          "completion_tokens": len(ids), "cached_tokens": 0},
-        })
+        """Add a stream's new tokens to what the client sees (job.lock held) and tell its
+        coroutine, unless a ``chunk`` event is already on its way (it takes the newest output,
+        ``stream_chunk``). A re-run after an engine failure stays quiet until it has passed what
+        the client was already given."""
+        ids, n = job.out_ids, len(job.streamed_ids)
+        if len(ids) <= n:
+            return  # (a resumed run's output starts with streamed_ids: see _new_run)
+        job.streamed_ids.extend(ids[n:])
+        job.stream_text += self._text_delta(job)
+        if not job.chunk_pending:
+            job.chunk_pending = True
+            job.emit("chunk", None)
+
+    def _text_delta(self, job: _Job) -> str:
+        """The text that the stream's newest tokens add, decoded from a few tokens back (the
+        offsets SGLang's detokenizer and TGI keep): each cycle decodes the last chunk and the
+        new tokens, not the whole output. Nothing while the text ends in an incomplete UTF-8
+        sequence (it waits for the next tokens)."""
+        ids = job.streamed_ids
+        lo, mid = job.text_offsets
+        before, after = self._decode(ids[lo:mid]), self._decode(ids[lo:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            job.text_offsets = (mid, len(ids))
+            return after[len(before):]
+        return ""
+
+    def stream_chunk(self, job: _Job) -> dict[str, Any] | None:
+        """The cumulative event of a stream's output so far (for the HTTP side, when it can send
+        it); None once the job has ended (its final event follows)."""
+        with job.lock:
+            job.chunk_pending = False
+            if job.closed:
+                return None
+            ids, text = list(job.streamed_ids), job.stream_text
+        return {"text": text, "output_ids": ids,
+                "meta_info": {"id": job.inp.rid, "finish_reason": None,
+                              "prompt_tokens": len(job.input_ids),
+                              "completion_tokens": len(ids), "cached_tokens": 0}}
 
     def _response(self, job: _Job, res) -> dict[str, Any]:
         m = res.metrics
@@ -577,7 +627,7 @@ class EngineWorker:
     def server_info(self) -> dict[str, Any]:
         stats = self.stats.snapshot()
         with self._cond:
-            waiting = sum(not j.closed for j in self._waiting)
+            waiting = len(self._waiting)
             in_flight, admitted, draining = len(self._jobs), self._admitted, self._draining
         return {
             "engine": "reference",
