@@ -224,6 +224,17 @@ def test_deepseek_export_names_and_order(deepseek_ckpt, tmp_path):
     assert torch.equal(after[p + "shared_head.norm.weight"], sd["final_norm.weight"])
 
 
+def test_dtype_override_touches_only_the_head(mimo_ckpt, mimo_head, tmp_path):
+    out = ex.export_native(mimo_ckpt.path, mimo_head, tmp_path / "out", dtype="bfloat16")
+    after = all_tensors(out)
+    mtp = {k for k in after if k.startswith("model.mtp_layers.")}
+    assert {after[k].dtype for k in mtp} == {torch.bfloat16}
+    assert all(same_bytes(after[k], mimo_ckpt.tensors[k]) for k in set(after) - mtp)
+    d = load_draft_dir(mimo_head)
+    want = change_layout(d.state_dict, "deepseek", "mimo")["input_proj.weight"].bfloat16()
+    assert torch.equal(after["model.mtp_layers.0.input_proj.weight"], want)
+
+
 def test_failure_leaves_nothing(mimo_sharded, mimo_head, tmp_path, monkeypatch):
     calls = []
 

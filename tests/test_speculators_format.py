@@ -187,6 +187,7 @@ def test_package_config_classes_load_our_export(spx, deepseek_ckpt, tmp_path):
     v = cfg.speculators_config.verifier
     assert v.name_or_path == str(deepseek_ckpt.path) and v.architectures == ["LlamaForCausalLM"]
     assert cfg.speculators_config.algorithm == "mtp"
+    assert tc.num_hidden_layers == deepseek_ckpt.config["num_hidden_layers"]  # from --verifier
     # and it survives the package's own save / load
     again = tmp_path / "again"
     cfg.save_pretrained(str(again))
@@ -286,6 +287,7 @@ def test_package_written_directory_round_trips(spx, deepseek_ckpt, tmp_path, run
     cb = spx.SpeculatorModelConfig.from_pretrained(str(again))
     assert ca.speculators_config == cb.speculators_config
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+                "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+                "num_hidden_layers"):
         assert getattr(ca.transformer_layer_config, key) == getattr(cb.transformer_layer_config, key)
     assert ca.transformer_layer_config.rope_parameters == cb.transformer_layer_config.rope_parameters

@@ -82,31 +82,37 @@ def copy_tables(entries: Any, src: Path, dst: Path) -> None:
                 shutil.copyfile(src / rel, dst / rel)
 
 
-def _verifier(head_cfg: dict[str, Any], verifier: str | None) -> dict[str, Any]:
-    """speculators' VerifierConfig fields: the target's name or path and its architectures. A
-    local target directory must fit the head (speculators checks the hidden size at load)."""
+def _verifier(head_cfg: dict[str, Any], verifier: str | None
+              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(speculators' VerifierConfig fields, the target's config when it is a local directory).
+    A local target must fit the head: speculators checks the hidden size only at load."""
     base = head_cfg.get("fastmtp", {}).get("base_model") or {}
     name = verifier or base.get("name")
-    archs: list[str] = []
+    target = None
     if name and (Path(name) / CONFIG_NAME).is_file():
         target = json.loads((Path(name) / CONFIG_NAME).read_text())
-        target = target.get("text_config") or target
+        text = target.get("text_config") or target
         for key in ("hidden_size", "vocab_size"):
-            if target.get(key) is not None and target[key] != head_cfg.get(key):
+            if text.get(key) is not None and text[key] != head_cfg.get(key):
                 raise MismatchError(
                     f"the head has {key} {head_cfg.get(key)}, the verifier {name} has "
-                    f"{target[key]}: pass --verifier the target this head was made for")
-        archs = list(json.loads((Path(name) / CONFIG_NAME).read_text()).get("architectures") or [])
+                    f"{text[key]}: pass --verifier the target this head was made for")
+    archs = list((target or {}).get("architectures") or [])
     if not archs:  # the family's causal LM, as transformers names it
         archs = ["Qwen2ForCausalLM" if head_cfg.get("model_type") == "qwen2" else "LlamaForCausalLM"]
-    return {"name_or_path": name, "architectures": archs}
+    return {"name_or_path": name, "architectures": archs}, target
 
 
 def speculators_config(head_cfg: dict[str, Any], steps: int, verifier: dict[str, Any],
-                       dtype: str) -> dict[str, Any]:
+                       dtype: str, target: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json of an ``mtp`` speculators directory for a draft directory's config."""
     meta = head_cfg.get("fastmtp", {})
     layer = {k: head_cfg[k] for k in ARCH_KEYS if head_cfg.get(k) is not None}
+    # the target's depth (MTPDraftModel reads the last layer's index), where known
+    depth = (target or {}).get("num_hidden_layers") or (
+        meta.get("converted_from") or {}).get("verifier_num_hidden_layers")
+    if depth:
+        layer["num_hidden_layers"] = depth
     return {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": ALGORITHM,
@@ -148,7 +154,8 @@ def export_speculators(head: str | Path, out: str | Path, algorithm: str = ALGOR
     sd = change_layout(d.state_dict, d.head_config.layout, "deepseek")  # embed columns first
     tensors = {_TO_SPEC[n]: t.detach().to("cpu", getattr(torch, store)).contiguous()
                for n, t in sd.items()}
-    cfg = speculators_config(d.config, k, _verifier(d.config, verifier), store)
+    fields, target = _verifier(d.config, verifier)
+    cfg = speculators_config(d.config, k, fields, store, target)
     try:
         with atomic_dir(out) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
@@ -222,8 +229,8 @@ def import_speculators(src: str | Path, out: str | Path, layout: str | None = No
         step_weights=prov.get("step_weights"), vocab_tables=prov.get("vocab_tables"),
         dtype=dtype or src_dtype,
         extra={"converted_from": {"path": str(src), "format": "speculators",
-                                  "algorithm": ALGORITHM,
-                                  "verifier": verifier}})
+                                  "algorithm": ALGORITHM, "verifier": verifier,
+                                  "verifier_num_hidden_layers": layer.get("num_hidden_layers")}})
     if "script_classes" in prov:
         draft_cfg["fastmtp"]["script_classes"] = prov["script_classes"]
     return save_draft_dir(out, draft_cfg, sd, overwrite=overwrite,
