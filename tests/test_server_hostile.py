@@ -423,3 +423,23 @@ def test_stop_strings_are_checked_on_the_tail(target):
     assert res.text == cut[: cut.find(stop)]
     *cycles, last = sizes  # the last decode is the result's text, once
     assert last == n and max(cycles) <= 64, max(cycles)
+
+
+def test_serve_flags_reach_the_server(llama_target):
+    """`fastmtp serve --write-timeout --max-connections` set the server's limits; 0 is refused."""
+    from fastmtp_sglang.cli import build_parser
+    from fastmtp_sglang.cli.serve import build_reference_server
+    from fastmtp_sglang.core.errors import FastMTPError
+
+    def args(*extra):
+        return build_parser().parse_args(
+            ["serve", "--engine", "reference", "--target", str(llama_target.path), "--steps", "0",
+             "--dtype", "float32", "--port", "0", *extra])
+
+    srv = build_reference_server(args("--write-timeout", "2.5", "--max-connections", "7"))
+    try:
+        assert srv.write_timeout_s == 2.5 and srv.server_info()["max_connections"] == 7
+    finally:
+        srv.shutdown()
+    with pytest.raises(FastMTPError, match="--max-connections must be >= 1"):
+        build_reference_server(args("--max-connections", "0"))

@@ -186,6 +186,8 @@ def build_reference_server(args: argparse.Namespace):
     for flag, value, low in (("--max-queue", args.max_queue, 1),
                              ("--max-body-mb", args.max_body_mb, 0.001),
                              ("--read-timeout", args.read_timeout, 0.001),
+                             ("--write-timeout", args.write_timeout, 0.001),
+                             ("--max-connections", args.max_connections, 1),
                              ("--shutdown-timeout", args.shutdown_timeout, 0)):
         if not value >= low:
             raise FastMTPError(f"{flag} must be >= {low:g}, got {value}")
@@ -198,7 +200,8 @@ def build_reference_server(args: argparse.Namespace):
         allow_base_mismatch=args.allow_base_mismatch, max_batch=args.max_batch,
         batch_window_s=args.batch_window_ms / 1000, log_requests=args.log_requests,
         max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        read_timeout_s=args.read_timeout, shutdown_timeout_s=args.shutdown_timeout)
+        read_timeout_s=args.read_timeout, shutdown_timeout_s=args.shutdown_timeout,
+        write_timeout_s=args.write_timeout, max_connections=args.max_connections)
 
 
 def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
@@ -377,8 +380,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="reference engine: largest request body in MiB; larger ones get 413 "
                         "before they are read (default 8)")
     p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="reference engine: seconds a request's headers and body may take to "
-                        "arrive (default 30)")
+                   help="reference engine: seconds each request's headers, and its body, may "
+                        "take to arrive (default 30)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="reference engine: seconds a client may leave what was sent unread "
+                        "before its connection is cut and its request aborted (default 30)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="reference engine: connections open at once; more are answered 503 with "
+                        "Retry-After (default 512)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="reference engine: on SIGTERM / Ctrl-C, seconds requests in flight get to "
                         "finish before they are aborted (default 30)")

@@ -37,7 +37,8 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     max_context : tokens a request may use (None: the target's max_position_embeddings)
     allow_base_mismatch : serve a draft whose recorded base model is not this target's
     server_options : passed to ReferenceServer (max_batch, batch_window_s, log_requests,
-        max_queue, max_body_bytes, read_timeout_s, shutdown_timeout_s)
+        max_queue, max_body_bytes, read_timeout_s, shutdown_timeout_s, write_timeout_s,
+        max_connections)
 
     Raises
     ------
