@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastmtp_sglang.core import cpu_amx
+from fastmtp_sglang.core import cpu_amx, cpu_attention
 from fastmtp_sglang.core.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.lean_forward import LeanForward, lean_forward_for, unsupported
@@ -80,6 +80,7 @@ def _lean(model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypatch):
     monkeypatch.setitem(cpu_amx._state, "lib", None)   # PyTorch's own kernels only
+    monkeypatch.setitem(cpu_attention._state, "lib", None)
     model = _model(kind, dtype)
     ids, mask, steps = _batches()
     keep = (0, 2, 3)
@@ -107,6 +108,33 @@ def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
             torch.testing.assert_close(kb[2].float(), ka[2].float(), rtol=3e-2, atol=3e-2)
             top = (model.lm_head(ha).argmax(-1) == model.lm_head(hb).argmax(-1)).float().mean()
             assert top > 0.9
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason=f"cpu attention: {cpu_attention.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monkeypatch):
+    """One-token steps through the one-pass attention kernel (prefill and multi-token verify
+    steps keep PyTorch's): within bf16 rounding of transformers, the same argmax, and the
+    kernel really ran."""
+    monkeypatch.setitem(cpu_amx._state, "lib", None)
+    calls = {"n": 0}
+    real = cpu_attention.decode_attention
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu_attention, "decode_attention", counted)
+    model = _model(kind, torch.bfloat16)
+    ids, mask, steps = _batches()
+    with torch.inference_mode():
+        a, ca = _run(_hf(model), ids, mask, steps, ())
+        b, cb = _run(_lean(model), ids, mask, steps, ())
+    assert calls["n"] == 2 * len(model.model.layers)   # the two one-token steps, every layer
+    with torch.inference_mode():
+        for (ha, _), (hb, _) in zip(a, b):
+            torch.testing.assert_close(hb.float(), ha.float(), rtol=3e-2, atol=3e-2)
+            assert (model.lm_head(ha).argmax(-1) == model.lm_head(hb).argmax(-1)).float().mean() > 0.9
 
 
 def test_engine_tokens_equal_with_and_without_the_lean_forward():

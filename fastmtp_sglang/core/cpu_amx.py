@@ -131,10 +131,10 @@ def cache_key(source: bytes, compiler_id: str, commands: list[list[str]]) -> str
     return h.hexdigest()[:16]
 
 
-def _library_path(cc: str) -> tuple[Path, list[list[str]]]:
+def _library_path(cc: str, source: Path = SOURCE, stem: str = "cpu_amx") -> tuple[Path, list[list[str]]]:
     cmds = _commands(cc, _loaded_openmp())
-    tag = cache_key(SOURCE.read_bytes(), _compiler_id(cc), cmds)
-    return _cache_dir() / f"cpu_amx-{tag}.so", cmds
+    tag = cache_key(source.read_bytes(), _compiler_id(cc), cmds)
+    return _cache_dir() / f"{stem}-{tag}.so", cmds
 
 
 def _sha_file(lib: Path) -> Path:
@@ -165,17 +165,18 @@ def _write_beside(path: Path, data: bytes) -> None:
         raise
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, source: Path = SOURCE, stem: str = "cpu_amx") -> Path:
     """The kernel library for this source, compiler and flags: the cached one when its recorded
-    sha256 matches, else built now (a mismatch is rebuilt, never loaded)."""
-    out, cmds = _library_path(cc)
+    sha256 matches, else built now (a mismatch is rebuilt, never loaded). ``source`` / ``stem``:
+    another C file built the same way (core/cpu_attention.py)."""
+    out, cmds = _library_path(cc, source, stem)
     private_dir(out.parent)
     if verified(out):
         return out
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     obj = tmp + ".o"
-    files = {"{src}": str(SOURCE), "{obj}": obj, "{out}": tmp}
+    files = {"{src}": str(source), "{obj}": obj, "{out}": tmp}
     try:  # written beside, renamed into place: another process never loads half a library
         for cmd in cmds:
             cmd = [files.get(a, a) for a in cmd]
@@ -194,8 +195,10 @@ def _build(cc: str) -> Path:
     return out
 
 
-def _open_library(cc: str) -> ctypes.CDLL:
-    path = _build(cc)
+def open_library(cc: str, source: Path = SOURCE, stem: str = "cpu_amx") -> ctypes.CDLL:
+    """Build (or find in the cache) and load a C library; raises UnsafeCacheDir, OSError,
+    RuntimeError or SubprocessError with the reason."""
+    path = _build(cc, source, stem)
     if not verified(path):  # replaced between the build and now
         raise RuntimeError(f"{path} does not match its recorded sha256; not loaded")
     return ctypes.CDLL(str(path))
@@ -211,7 +214,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if cc is None:
         return None, "no C compiler (gcc) on PATH"
     try:
-        lib = _open_library(cc)
+        lib = open_library(cc)
     except UnsafeCacheDir as e:
         why = f"refusing the kernel cache: {e}"
         log.warning("cpu_amx: %s; PyTorch's kernels are used instead", why)

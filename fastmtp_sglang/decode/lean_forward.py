@@ -20,7 +20,9 @@ bench/results/speculation_pays/costs/, design section 6.9).
 On PyTorch's kernels this is **bit-identical** to transformers (tests/test_lean_forward.py:
 hidden states, kept layers and caches, fp32 and bf16, Llama and Qwen2, padding holes). On bf16
 CPUs with AMX (core/cpu_amx.py) each elementwise step is one C call with transformers'
-roundings and each product one call on AMX tiles: the same maths within bf16 rounding.
+roundings and each product one call on AMX tiles; on bf16 CPUs with AVX-512 a one-token step's
+attention is one pass over the cache (core/cpu_attention.py): the same maths within bf16
+rounding (``FASTMTP_CPU_KERNELS=off`` keeps PyTorch's kernels, bit-identical).
 
 It covers Llama-style dense decoders (``llama``, ``qwen2``, ``mistral`` without a sliding
 window): :func:`unsupported` says why another model is left to transformers' own forward.
@@ -33,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_amx
+from fastmtp_sglang.core import cpu_amx, cpu_attention
 from fastmtp_sglang.core.attention import grouped_attention
 from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
 
@@ -80,6 +82,17 @@ def unsupported(model) -> str | None:
     if next(model.parameters()).device.type != "cpu":
         return "not on the CPU"
     return None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, amask: torch.Tensor | None,
+            scale: float, S: int) -> torch.Tensor:
+    """Attention of a layer: a bf16 decode step (one new token per row) through the one-pass
+    kernel where the CPU has AVX-512 (core/cpu_attention.py: PyTorch's kernel took ~4x the time
+    to read the cache at one query per row), anything else through grouped_attention."""
+    if S == 1 and cpu_attention.fits(q, k) and cpu_attention.available():
+        B, T = k.shape[0], k.shape[2]
+        return cpu_attention.decode_attention(q, k, v, None if amask is None else amask.view(B, T), scale)
+    return grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +233,7 @@ class LeanForward:
             k = q_k[:, nh:].view(B, S, nkv, D).transpose(1, 2)
             v = h[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            a = grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
+            a = _attend(q, k, v, amask, scale, S)
             x = x + o_proj(a.transpose(1, 2).reshape(N, nh * D))
             g = gate_up(_rms(ln2, x))
             half = g.shape[-1] // 2
@@ -257,7 +270,7 @@ class LeanForward:
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            a = grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
+            a = _attend(q, k, v, amask, scale, S)
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
             cpu_amx.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
             d = lin(cpu_amx.silu_mul(lin(h, wgu, bgu)), wd, bd)
