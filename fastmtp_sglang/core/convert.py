@@ -28,42 +28,12 @@ from fastmtp_sglang.core.draft_dir import (
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.core.head import LAYOUTS, HeadConfig
 from fastmtp_sglang.core.identity import target_identity
+# the layouts' checkpoint names and the exact layout change (shared with the native and
+# Speculators exports); change_layout, source_* and split_projection are re-exported for callers
+from fastmtp_sglang.core.layouts import (SHARED_NAMES, change_layout, source_name_map,  # noqa: F401
+                                         source_prefix, split_projection)
 
 FORMATS = ("mimo", "deepseek", "split", "draft", "speculators")
-
-_BLOCK = [
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
-    "self_attn.v_proj.bias", "self_attn.o_proj.bias",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
-]
-_OWN = {
-    "mimo": {"token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
-             "input_proj.weight": "input_proj.weight", "final_layernorm.weight": "final_norm.weight"},
-    "deepseek": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-                 "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "final_norm.weight"},
-    "split": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-              "e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight",
-              "shared_head.norm.weight": "final_norm.weight"},
-}
-# the target's own tensors that some checkpoints repeat under the MTP prefix: never stored twice
-_SHARED = ("embed_tokens.weight", "shared_head.head.weight", "lm_head.weight")
-
-
-def source_prefix(fmt: str, config: dict[str, Any], mtp_index: int) -> str:
-    if fmt == "mimo":
-        return f"model.mtp_layers.{mtp_index}."
-    return f"model.layers.{int(config['num_hidden_layers']) + mtp_index}."
-
-
-def source_name_map(fmt: str, prefix: str) -> dict[str, str]:
-    """Checkpoint name -> draft-directory name, for every tensor the head may have."""
-    m = {prefix + k: v for k, v in _OWN[fmt].items()}
-    m.update({prefix + k: "layer." + k for k in _BLOCK})
-    return m
-
 
 def _guess_format(keys: list[str], config: dict[str, Any]) -> str | None:
     if any(k.startswith("model.mtp_layers.") for k in keys):
@@ -76,35 +46,6 @@ def _guess_format(keys: list[str], config: dict[str, Any]) -> str | None:
         if any(k.startswith(pre) for k in keys):
             return "deepseek"
     return None
-
-
-def split_projection(sd: dict[str, torch.Tensor], layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_e, W_h): the columns of the input projection that see the embedding / the hidden."""
-    if layout == "mimo":
-        w = sd["input_proj.weight"]
-        h = w.shape[1] // 2
-        return w[:, h:], w[:, :h]
-    if layout == "deepseek":
-        w = sd["eh_proj.weight"]
-        h = w.shape[1] // 2
-        return w[:, :h], w[:, h:]
-    return sd["e_proj.weight"], sd["h_proj.weight"]
-
-
-def change_layout(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """Exact layout change: columns move, no arithmetic touches a value."""
-    if src == dst:
-        return dict(sd)
-    we, wh = split_projection(sd, src)
-    out = {k: v for k, v in sd.items()
-           if k not in ("input_proj.weight", "eh_proj.weight", "e_proj.weight", "h_proj.weight")}
-    if dst == "mimo":
-        out["input_proj.weight"] = torch.cat([wh, we], dim=1).contiguous()
-    elif dst == "deepseek":
-        out["eh_proj.weight"] = torch.cat([we, wh], dim=1).contiguous()
-    else:
-        out["e_proj.weight"], out["h_proj.weight"] = we.contiguous(), wh.contiguous()
-    return out
 
 
 def _tokenizer_or_none(path: Path):
@@ -132,7 +73,7 @@ def extract(src: str | Path, fmt: str, mtp_index: int = 0, model_type: str | Non
         raise DraftFormatError(
             f"{src}: no tensors under {prefix!r}, where --format {fmt} keeps its MTP layer.{hint}")
     names = source_name_map(fmt, prefix)
-    unknown = sorted(k for k in under if k not in names and k[len(prefix):] not in _SHARED)
+    unknown = sorted(k for k in under if k not in names and k[len(prefix):] not in SHARED_NAMES)
     if unknown:
         guess = _guess_format(keys, config)  # deepseek and split share a prefix
         hint = (f" It looks like --format {guess}." if guess and guess != fmt else

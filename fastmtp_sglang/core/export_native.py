@@ -23,7 +23,7 @@ What is written (docs/scale.md, "Export for native serving"):
   MTP tensors are copied as files; a shard that mixed MTP and other tensors is rewritten without
   the old MTP tensors (the same bytes per tensor, the same header metadata);
 - the head's tensors under the family's names, in the source's storage dtype (``dtype`` to
-  override), moved to the family's concatenation order exactly (``convert.change_layout``);
+  override), moved to the family's concatenation order exactly (``layouts.change_layout``);
 - sharded sources (``model.safetensors.index.json``): the same shard files (less any that held
   only the old MTP layer) plus one new shard ``model-mtp.safetensors``, and an updated index;
   one ``model.safetensors``: the same one file with the head's tensors in it;
@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fastmtp_sglang.core.checkpoint import INDEX_NAME
-from fastmtp_sglang.core.convert import _SHARED, change_layout, source_name_map, source_prefix
+from fastmtp_sglang.core.layouts import SHARED_NAMES, change_layout, source_name_map, source_prefix
 from fastmtp_sglang.core.draft_dir import CONFIG_NAME, DraftDir, atomic_dir, load_draft_dir
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
 from fastmtp_sglang.core.head import HeadConfig
@@ -282,7 +282,7 @@ def export_native(src: str | Path, head: str | Path, out: str | Path,
     new = native_tensors(draft, fam, source.config, store)
 
     prefix = fam.prefix(source.config)
-    keep_shared = {prefix + s for s in _SHARED}  # the target's own tensors repeated at the prefix
+    keep_shared = {prefix + s for s in SHARED_NAMES}  # the target's own tensors repeated at the prefix
     old_mtp = {k for ks in source.shards.values() for k in ks
                if fam.is_mtp(k, source.config) and k not in keep_shared}
     clash = sorted(set(new) & ({k for ks in source.shards.values() for k in ks} - old_mtp))

@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fastmtp_sglang.core.convert import _BLOCK, change_layout
+from fastmtp_sglang.core.layouts import BLOCK_NAMES, change_layout
 from fastmtp_sglang.core.draft_dir import (
     ARCH_KEYS, CONFIG_NAME, WEIGHTS_NAME, atomic_dir, check_output, check_tensors,
     expected_shapes, load_draft_dir, make_draft_config, save_draft_dir,
@@ -57,7 +57,7 @@ PROVENANCE_KEY = "fastmtp_head"  # extra keys survive speculators' config (extra
 # speculators' name (under PREFIX) -> ours; input_proj sees cat[embed, hidden] = our eh_proj
 _OWN = {"token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
         "input_proj.weight": "eh_proj.weight", "final_layernorm.weight": "final_norm.weight"}
-_NAMES = {PREFIX + k: v for k, v in _OWN.items()} | {PREFIX + k: "layer." + k for k in _BLOCK}
+_NAMES = {PREFIX + k: v for k, v in _OWN.items()} | {PREFIX + k: "layer." + k for k in BLOCK_NAMES}
 _TO_SPEC = {v: k for k, v in _NAMES.items()}
 # the verifier's tensors, which a saved MTPDraftModel may carry: not part of the head
 _VERIFIER = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
