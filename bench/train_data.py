@@ -4,6 +4,14 @@ into a pipeline's work directory.
     python bench/train_data.py pack runs/demo-pipeline-v2       # after a distillation: writes bench/train_data/
     python bench/train_data.py restore runs/demo-pipeline-v2    # what bench/pipelines/demo_pipeline.sh runs
     python bench/train_data.py check                            # the archive matches its manifest
+    python bench/train_data.py pack-growth runs/data-v3 --note "..."   # rows added since: growth/
+    python bench/train_data.py restore runs/data-v3 --with-growth      # base + growth
+
+The base (``bench/train_data/*.xz``, 4 samples per prompt at T=0.6) stays byte-identical, so
+everything that restores it (bench/pipelines/demo_pipeline.sh, the shipped head's recipe) keeps
+working; ``bench/pipelines/grow_data.sh`` appends to a copy of it (8 samples per prompt, mixed
+temperatures, more prompts), and ``pack-growth`` commits only the rows after the base's
+(``bench/train_data/growth/``): a work file must start with the base's exact bytes.
 
 `pack` compresses ``distill.jsonl`` and its ``distill.jsonl.rejected.jsonl`` (the samples the
 filters dropped: with them a resumed distillation skips exactly what was already tried) with xz
@@ -31,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "train_data"
 FILES = ("distill.jsonl", "distill.jsonl.rejected.jsonl")
 COMMAND = "STAGE=distill bash bench/pipelines/demo_pipeline.sh runs/demo-pipeline-v2"
+GROWTH = DATA / "growth"
+GROWTH_COMMAND = "bash bench/pipelines/grow_data.sh runs/data-v3"
 
 
 def sha256(data: bytes) -> str:
@@ -70,19 +80,61 @@ def _unpacked(name: str, entry: dict) -> bytes:
     return raw
 
 
-def restore(work: Path) -> None:
+def pack_growth(work: Path, note: str) -> dict:
+    """Compress the rows of WORK's files after the committed base's into growth/ (the base's
+    bytes must be the files' prefix: grow_data.sh only appends)."""
+    base = json.loads((DATA / "manifest.json").read_text())["files"]
+    GROWTH.mkdir(parents=True, exist_ok=True)
+    manifest = {"command": GROWTH_COMMAND, "note": note, "base": {n: e["sha256"] for n, e in base.items()},
+                "files": {}}
+    for name in FILES:
+        raw = (work / name).read_bytes()
+        n = base[name]["bytes"]
+        if sha256(raw[:n]) != base[name]["sha256"]:
+            raise SystemExit(f"{work / name} does not start with the committed base's bytes: "
+                             "growth is only what was appended to it (restore the base, then grow)")
+        extra = raw[n:]
+        packed = lzma.compress(extra, preset=9 | lzma.PRESET_EXTREME)
+        dst = GROWTH / f"{name}.xz"
+        tmp = dst.with_suffix(".xz.tmp")
+        tmp.write_bytes(packed)
+        os.replace(tmp, dst)
+        manifest["files"][name] = {"sha256": sha256(extra), "bytes": len(extra), "xz_sha256": sha256(packed),
+                                   "xz_bytes": len(packed), **stats(extra), "total": stats(raw)}
+    tmp = GROWTH / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, GROWTH / "manifest.json")
+    return manifest
+
+
+def _growth(name: str) -> bytes:
+    manifest = json.loads((GROWTH / "manifest.json").read_text())
+    entry = manifest["files"][name]
+    packed = (GROWTH / f"{name}.xz").read_bytes()
+    if sha256(packed) != entry["xz_sha256"]:
+        raise SystemExit(f"bench/train_data/growth/{name}.xz does not match its manifest (sha256)")
+    raw = lzma.decompress(packed)
+    if sha256(raw) != entry["sha256"]:
+        raise SystemExit(f"bench/train_data/growth/{name}.xz decompresses to the wrong bytes")
+    return raw
+
+
+def restore(work: Path, with_growth: bool = False) -> None:
     manifest = json.loads((DATA / "manifest.json").read_text())
     work.mkdir(parents=True, exist_ok=True)
+    if with_growth and not (GROWTH / "manifest.json").exists():
+        raise SystemExit("no growth is committed (bench/train_data/growth/manifest.json): restore without --with-growth")
     for name, entry in manifest["files"].items():
         dst = work / name
         if dst.exists():
             raise SystemExit(f"{dst} exists: not replaced (move it away to restore the committed data)")
-        raw = _unpacked(name, entry)
+        raw = _unpacked(name, entry) + (_growth(name) if with_growth else b"")
+        entry = {**entry, **stats(raw)} if with_growth else entry
         tmp = dst.with_name(dst.name + ".tmp")
         tmp.write_bytes(raw)
         os.replace(tmp, dst)
         print(f"restored {dst} ({entry['rows']} rows, {entry['response_tokens']:,} response tokens, "
-              f"sha256 {entry['sha256'][:12]}...)")
+              f"sha256 {sha256(raw)[:12]}...)")
 
 
 def check() -> None:
@@ -90,6 +142,9 @@ def check() -> None:
     for name, entry in manifest["files"].items():
         _unpacked(name, entry)
         print(f"ok {name}: {entry['rows']} rows, sha256 {entry['sha256']}")
+        if (GROWTH / "manifest.json").exists():
+            _growth(name)
+            print(f"ok growth/{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("pack", help="compress WORK/distill.jsonl (+ rejected) into bench/train_data/")
     a.add_argument("work")
     a.add_argument("--note", default="", help="what state the data is in (complete, or how far)")
+    g = sub.add_parser("pack-growth", help="compress the rows WORK's files hold past the base into "
+                       "bench/train_data/growth/")
+    g.add_argument("work")
+    g.add_argument("--note", default="", help="how far the growth is")
     b = sub.add_parser("restore", help="decompress bench/train_data/ into WORK (checks sha256)")
     b.add_argument("work")
+    b.add_argument("--with-growth", action="store_true", help="append the committed growth/ rows")
     sub.add_parser("check", help="check the archive against its manifest")
     args = p.parse_args(argv)
     if args.cmd == "pack":
@@ -107,8 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, e in m["files"].items():
             print(f"{name}: {e['rows']} rows, {e['response_tokens']:,} response tokens, "
                   f"{e['bytes']:,} -> {e['xz_bytes']:,} bytes")
+    elif args.cmd == "pack-growth":
+        m = pack_growth(Path(args.work), args.note)
+        for name, e in m["files"].items():
+            print(f"{name}: +{e['rows']} rows, +{e['response_tokens']:,} response tokens "
+                  f"({e['total']['rows']} rows, {e['total']['response_tokens']:,} in all), "
+                  f"{e['bytes']:,} -> {e['xz_bytes']:,} bytes")
     elif args.cmd == "restore":
-        restore(Path(args.work))
+        restore(Path(args.work), args.with_growth)
     else:
         check()
     return 0

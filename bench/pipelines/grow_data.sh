@@ -6,8 +6,9 @@
 # lookup). The first four samples of the shipped prompts are the committed data: restored, not
 # regenerated. Long: ~4.6M new response tokens, hours on 2 CPU cores; stop it any time (Ctrl-C or
 # `kill`): every line written is whole, and the same command resumes where it stopped. Then
-#   python bench/train_data.py pack runs/data-v3 --note "..."
-# commits the progress.
+#   python bench/train_data.py pack-growth runs/data-v3 --note "..."
+# packs the rows added (bench/train_data/growth/) for a commit; on a new machine the same command
+# restores base + growth and goes on.
 #
 #   bash bench/pipelines/grow_data.sh [WORKDIR]         (default runs/data-v3)
 set -euo pipefail
@@ -36,9 +37,13 @@ random.Random(1).shuffle(extra)
 open(out, "w", encoding="utf-8").writelines(rows + extra)
 EOF
 
-# the committed data (restored once; a rerun appends to it)
+# the committed data, with the growth committed so far (restored once; a rerun appends to it)
 if [[ ! -f $W/distill.jsonl ]]; then
-    "$BIN/python" bench/train_data.py restore "$W"
+    if [[ -f bench/train_data/growth/manifest.json ]]; then
+        "$BIN/python" bench/train_data.py restore "$W" --with-growth
+    else
+        "$BIN/python" bench/train_data.py restore "$W"
+    fi
 fi
 
 # (the committed rows name the target by the demo cache path of the machine that made them)
