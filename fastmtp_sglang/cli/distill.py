@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         retries=args.retries, backoff=args.backoff, timeout=args.timeout,
         exclude=args.exclude or [], drop_truncated=args.drop_truncated, limit=args.limit,
         system=args.system, seed=args.seed, max_repeat_fraction=args.max_repeat_fraction,
-        progress=not args.no_progress)
+        progress=not args.no_progress, with_features=args.with_features,
+        feature_dtype=args.feature_dtype, max_len=args.max_len)
     _stop_on_sigterm()
     try:
         stats = distill(cfg)
@@ -69,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("distill", help="self-distilled training data: the target's own responses",
                        description=lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--url", help="SGLang-compatible server, e.g. http://127.0.0.1:30000")
+    src.add_argument("--url", action="append", help="SGLang-compatible server, e.g. "
+                     "http://127.0.0.1:30000; repeat it for several servers (requests go to the "
+                     "one with the fewest in flight; a router in front of many is one --url)")
     src.add_argument("--target", help="generate in this process from this model directory "
                      "(continuous batching on CPU; no server)")
     p.add_argument("--batch-size", type=int, default=64, help="with --target: rows decoded "
@@ -95,7 +98,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=20, help="top-k tokens; -1 = off")
     p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit in tokens")
-    p.add_argument("--concurrency", type=int, default=8, help="with --url: requests in flight (default 8)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="with --url: requests in flight per server (default 8)")
+    p.add_argument("--with-features", default=None, metavar="DIR",
+                   help="with --url: also keep the target's hidden states the server returns "
+                   "with each answer (SGLang's return_hidden_states; start it with "
+                   "--enable-return-hidden-states) as the feature cache DIR for `fastmtp train "
+                   "--features DIR` (no transformers forward). Needs the target's directory "
+                   "(--tokenizer, or the server's model_path when local): the cache's key hashes "
+                   "its config, tokenizer and weight files")
+    p.add_argument("--feature-dtype", default="bfloat16",
+                   choices=("bfloat16", "float16", "float32"),
+                   help="with --with-features: dtype of the stored hidden states (default "
+                   "bfloat16, as `fastmtp features`)")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="with --with-features: tokens per sequence, as `train --max-len` (default "
+                   "1024; the cache is opened only by a run with the same value)")
     p.add_argument("--retries", type=int, default=4,
                    help="retries per request on connection errors, timeouts and 5xx; 0 = none")
     p.add_argument("--backoff", type=float, default=1.0,

@@ -201,7 +201,8 @@ def build_reference_server(args: argparse.Namespace):
         batch_window_s=args.batch_window_ms / 1000, log_requests=args.log_requests,
         max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * (1 << 20)),
         read_timeout_s=args.read_timeout, shutdown_timeout_s=args.shutdown_timeout,
-        write_timeout_s=args.write_timeout, max_connections=args.max_connections)
+        write_timeout_s=args.write_timeout, max_connections=args.max_connections,
+        enable_return_hidden_states=args.enable_return_hidden_states)
 
 
 def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
@@ -308,6 +309,8 @@ def _run(args: argparse.Namespace) -> int:
         args.dtype, line = pick_dtype(args.dtype, device)
         print(line, flush=True)
     if engine == "sglang":
+        if args.enable_return_hidden_states and "--enable-return-hidden-states" not in extra:
+            extra = extra + ["--enable-return-hidden-states"]  # SGLang's flag of the same name
         return run_sglang(args, extra + sglang_auto_args(args))
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
         from fastmtp_sglang.serving.vllm_launch import run_vllm
@@ -394,6 +397,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="serve a draft whose recorded base model (config / tokenizer hash) is "
                         "not this target's")
+    p.add_argument("--enable-return-hidden-states", action="store_true",
+                   help="reference engine: answer requests with return_hidden_states true (the "
+                   "target's post-norm hidden states in meta_info.hidden_states, as SGLang's flag "
+                   "of this name; `fastmtp distill --with-features` asks for them); with --engine "
+                   "sglang it is passed to SGLang")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER,
                    help="after `--`: arguments passed to SGLang's launcher unchanged")
     p.set_defaults(func=_run)

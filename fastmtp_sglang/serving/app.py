@@ -80,7 +80,8 @@ class ReferenceServer(EngineWorker):
                  read_timeout_s: float = READ_TIMEOUT_S,
                  shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, backlog: int = BACKLOG,
                  write_timeout_s: float = WRITE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS,
+                 enable_return_hidden_states: bool = False):
         for name, value, low in (("write_timeout_s", write_timeout_s, 1e-3),
                                  ("max_connections", max_connections, 1)):
             if not value >= low:
@@ -90,7 +91,8 @@ class ReferenceServer(EngineWorker):
         super().__init__(engine, model_path=model_path, draft_path=draft_path, max_batch=max_batch,
                          batch_window_s=batch_window_s, log_requests=log_requests,
                          max_queue=max_queue, max_body_bytes=max_body_bytes,
-                         read_timeout_s=read_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
+                         read_timeout_s=read_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
+                         enable_return_hidden_states=enable_return_hidden_states)
         self._sock = _listen(host, port, backlog)
         self._backlog = backlog
         self.app = _build_app(self)

@@ -114,11 +114,14 @@ def _payload(text, input_ids, sampling_params, stream, rid) -> dict[str, Any]:
 
 def generate(url: str, *, text: str | None = None, input_ids: list[int] | None = None,
              sampling_params: dict[str, Any] | None = None, stream: bool = False,
-             rid: str | None = None, timeout: float = 600) -> dict[str, Any]:
+             rid: str | None = None, timeout: float = 600,
+             return_hidden_states: bool = False) -> dict[str, Any]:
     """POST /generate for one prompt; returns ``{"text", "output_ids", "meta_info"}``.
 
     With ``stream=True`` the reply is read as a stream and its last chunk (the complete result)
-    returned. Raises ServerError (a FastMTPError) with the server's message on an HTTP error.
+    returned. ``return_hidden_states``: SGLang's field of that name (the server must run with
+    ``--enable-return-hidden-states``); the rows come in ``meta_info["hidden_states"]``. Raises
+    ServerError (a FastMTPError) with the server's message on an HTTP error.
     """
     if stream:
         last = None
@@ -128,8 +131,13 @@ def generate(url: str, *, text: str | None = None, input_ids: list[int] | None =
         if last is None:
             raise ServerError(_base(url) + "/generate", 0, "the stream ended without a result")
         return last
+    if return_hidden_states and stream:
+        raise ValueError("return_hidden_states is read from the complete reply: stream=False")
     endpoint = _base(url) + "/generate"
-    with _open(endpoint, _payload(text, input_ids, sampling_params, False, rid), timeout) as resp:
+    payload = _payload(text, input_ids, sampling_params, False, rid)
+    if return_hidden_states:
+        payload["return_hidden_states"] = True
+    with _open(endpoint, payload, timeout) as resp:
         return json.loads(resp.read())
 
 

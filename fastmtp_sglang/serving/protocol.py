@@ -15,6 +15,9 @@ Endpoints (the shapes of SGLang's native API, so one client serves both):
   ``decode_tokens_per_s``). With ``"stream": true`` the reply is server-sent events, one
   ``data: {json}\\n\\n`` per verification cycle with the *cumulative* text and output ids (SGLang's
   default), the last one carrying the finish reason and metrics, then ``data: [DONE]\\n\\n``.
+  ``"return_hidden_states": true`` (a server started with ``--enable-return-hidden-states``; not
+  with ``stream``) adds ``meta_info["hidden_states"]`` in SGLang 0.5.23's shape
+  (fastmtp_sglang.serving.hidden_states); without the flag it is refused with SGLang's 400.
 - ``POST /abort_request`` ``{"rid": str}`` or ``{"abort_all": true}``: as SGLang's. The request
   ends at once with ``finish_reason {"type": "abort", "message": ...}`` and what it had generated
   (a stream gets that as its last event); an unknown rid is not an error.
@@ -73,14 +76,14 @@ from fastmtp_sglang.decode.sampling import SamplingParams
 # scheduling are ignored whatever their value; fields that would change the reply are accepted
 # only at SGLang's default (null / false / 0 / empty, or the value listed), so a request never
 # silently loses a feature it asked for. Anything else is refused with 400.
-GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid")
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid", "return_hidden_states")
 IGNORED_FIELDS = ("log_metrics", "priority", "background", "extra_key", "data_parallel_rank",
                   "bootstrap_host", "bootstrap_port", "bootstrap_room", "return_text_in_logprobs")
 DEFAULT_ONLY_FIELDS = {
     "return_logprob": None, "logprob_start_len": -1, "top_logprobs_num": None,
     "token_ids_logprob": None, "lora_path": None, "image_data": None, "audio_data": None,
     "video_data": None, "modalities": None, "session_params": None,
-    "custom_logit_processor": None, "return_hidden_states": None, "input_embeds": None,
+    "custom_logit_processor": None, "input_embeds": None,
     "require_reasoning": None,
 }
 SGLANG_DEFAULT_TEMPERATURE = 1.0
@@ -130,6 +133,7 @@ class GenerateInput:
     params: SamplingParams
     stream: bool
     rid: str
+    return_hidden_states: bool = False  # SGLang's field: rows in meta_info["hidden_states"]
 
 
 def _check_engine_dtypes(params: SamplingParams) -> None:
@@ -234,7 +238,15 @@ def parse_generate(body: bytes | str) -> GenerateInput:
         rid = uuid.uuid4().hex
     if not isinstance(rid, str) or not rid:
         raise BadRequest(f"'rid' must be a non-empty string, got {rid!r}")
-    return GenerateInput(text, ids, params, stream, rid)
+    hidden = obj.get("return_hidden_states")
+    if hidden is None:
+        hidden = False
+    if not isinstance(hidden, bool):  # SGLang's HTTP schema takes a bool (a list: one per prompt)
+        raise BadRequest(f"'return_hidden_states' must be true or false, got {hidden!r}")
+    if hidden and stream:
+        raise BadRequest("'return_hidden_states' with 'stream': the reference server returns "
+                         "hidden states in the complete reply only; send stream false")
+    return GenerateInput(text, ids, params, stream, rid, hidden)
 
 
 def public_finish_reason(fr: dict[str, Any] | None) -> dict[str, Any] | None:

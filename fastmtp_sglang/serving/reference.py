@@ -38,7 +38,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     allow_base_mismatch : serve a draft whose recorded base model is not this target's
     server_options : passed to ReferenceServer (max_batch, batch_window_s, log_requests,
         max_queue, max_body_bytes, read_timeout_s, shutdown_timeout_s, write_timeout_s,
-        max_connections)
+        max_connections, enable_return_hidden_states)
 
     Raises
     ------

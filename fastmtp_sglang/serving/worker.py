@@ -47,6 +47,7 @@ from http import HTTPStatus
 from typing import Any, Callable
 
 from fastmtp_sglang.decode.engine import Request, RequestError
+from fastmtp_sglang.serving.hidden_states import HIDDEN_STATES_OFF, sglang_hidden_states
 from fastmtp_sglang.serving.jobs import ServerStats, _Job, _rss_bytes, _Slot
 from fastmtp_sglang.serving.protocol import (
     MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
@@ -99,7 +100,8 @@ class EngineWorker:
                  batch_window_s: float = 0.0, log_requests: bool = False,
                  max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
                  read_timeout_s: float = READ_TIMEOUT_S,
-                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S):
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+                 enable_return_hidden_states: bool = False):
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
                                  ("max_body_bytes", max_body_bytes, 1),
                                  ("batch_window_s", batch_window_s, 0),
@@ -116,6 +118,7 @@ class EngineWorker:
         self.log_requests = log_requests
         self.max_queue, self.max_body_bytes = max_queue, max_body_bytes
         self.read_timeout_s, self.shutdown_timeout_s = read_timeout_s, shutdown_timeout_s
+        self.enable_return_hidden_states = enable_return_hidden_states
         self.stats = ServerStats()
         self._max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
         self._cond = threading.Condition()  # guards everything below (an RLock inside)
@@ -205,6 +208,8 @@ class EngineWorker:
         Raises BadRequest. A text prompt that is surely too long (from its length in characters)
         is refused before the tokenizer sees it."""
         inp = parse_generate(body)
+        if inp.return_hidden_states and not self.enable_return_hidden_states:
+            raise BadRequest(HIDDEN_STATES_OFF)
         if inp.text is not None:
             if self.tokenizer is None:
                 raise BadRequest("this server's target has no tokenizer: send 'input_ids'")
@@ -538,6 +543,9 @@ class EngineWorker:
                 finish["length"] = len(ids)
             res = dataclasses.replace(res, output_ids=ids, text=text, finish_reason=finish)
         out = self._response(job, res)
+        if job.inp.return_hidden_states:  # SGLang's rows, recomputed (serving/hidden_states.py)
+            out["meta_info"]["hidden_states"] = sglang_hidden_states(
+                self.engine.model, job.input_ids, out["output_ids"])
         if not self._finish(job, "done", out) or job.internal:
             return
         acc = [c.accepted for c in res.metrics.cycles]
@@ -642,6 +650,7 @@ class EngineWorker:
             # K chosen per cycle in 0..steps (--steps auto), SGLang's name for it
             "speculative_adaptive": getattr(self.engine, "auto", None) is not None,
             "max_batch": self.max_batch,
+            "enable_return_hidden_states": self.enable_return_hidden_states,
             "batch_window_s": self.batch_window_s,
             "context_length": self.engine.max_context,
             "max_queue": self.max_queue,

@@ -23,6 +23,7 @@ LENGTH_SPAN = 50  # group_by_length sorts spans of this many batches
 class Example:
     ids: torch.Tensor   # [T] int64 prompt + response
     prompt_len: int
+    line: int = 0       # its line in the data file (1-based; 0 = not from a file)
 
 
 @dataclass
@@ -128,7 +129,7 @@ def load_examples(path: str | Path, tokenizer, vocab_size: int, max_len: int, mi
             if len(ids) > max_len:
                 counts.truncated += 1
                 ids = ids[:max_len]
-            out.append(Example(torch.tensor(ids, dtype=torch.long), len(prompt)))
+            out.append(Example(torch.tensor(ids, dtype=torch.long), len(prompt), counts.lines))
             counts.used += 1
     return out, counts
 

@@ -6,6 +6,10 @@
         --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out data.jsonl
     # through any SGLang-compatible server (SGLang on a GPU):
     fastmtp distill --url http://127.0.0.1:30000 --tokenizer T --prompts ... --out data.jsonl
+    # several servers, and the feature cache in the same pass (servers started with
+    # --enable-return-hidden-states; docs/scale.md, "Features from SGLang servers"):
+    fastmtp distill --url http://h1:30000 --url http://h2:30000 --tokenizer T --prompts ... \\
+        --out data.jsonl --with-features data.features      # then: train --features data.features
 
 (paths in a source checkout; an installed wheel ships the Apache-2.0 ones: ``python -m
 fastmtp_sglang.cli.prompt_files --train`` prints the training-prompt folder, ``python -m
@@ -31,6 +35,14 @@ Output: one JSON object per line, one line per kept sample::
      (templated), "prompt_ids", "response", "response_ids" (the server's output_ids; tokenized
      from the text only when a server returns none), "finish_reason", "sampling_params",
      "target", "completion_tokens"}
+
+Several ``--url``: each takes ``--concurrency`` requests at once, a request going to the
+server with the fewest in flight; they must serve the same model. ``--with-features F`` keeps the
+target's hidden states each reply carries (SGLang's ``return_hidden_states``) as the feature cache
+``fastmtp train --features F`` reads (training/features_server.py), for ``--max-len`` and
+``--feature-dtype``; ``--tokenizer`` (or the server's model_path) must then be the target's model
+directory, whose config, tokenizer and weight files make the cache's key. A server that returns
+no hidden states is refused with one line before anything is written.
 
 Sampling defaults are FastMTP's (T=0.6, top-p 0.95, top-k 20). Each sample carries its own
 ``sampling_seed``, a hash of (``--seed``, prompt id, sample index), so a rerun asks for the same
@@ -72,7 +84,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -86,6 +98,8 @@ from fastmtp_sglang.training.distill_io import (atomic_write, check_resume, load
                                                 rejected_path, stats_path)
 from fastmtp_sglang.training.distill_loop import ResultWriter, run_jobs
 from fastmtp_sglang.training.distill_prompts import SAMPLE_SEP, plan_jobs, read_prompts_tolerant
+from fastmtp_sglang.training.features import FeatureStore, key_from_parts
+from fastmtp_sglang.training.features_server import ENABLE, FeatureSink, NoHiddenStates, hidden_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,18 +127,31 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     jobs = plan_jobs(cfg, prompts, tokenizer, base_sp, done={r["id"] for r in records},
                      done_rejected={r["id"] for r in rejected}, stats=stats)
     writer = ResultWriter(out, filt, tokenizer, target, stats, lines_in_output=len(records))
+    feats = _open_features(cfg, backend, records, jobs) if cfg.with_features else None
+    writer.features = feats.sink if feats is not None else None
 
     def finish() -> Stats:
         stats.lines_in_output = writer.lines_in_output
         stats.seconds = time.monotonic() - t0
+        if isinstance(backend, HttpBackend):
+            stats.requests_per_server = dict(backend.sent)
         atomic_write(stats_path(out), json.dumps(asdict(stats), indent=2, ensure_ascii=False) + "\n")
         return stats
 
-    if not jobs:
-        log(f"fastmtp distill: nothing to do: the {stats.samples_planned} samples planned are all in "
-            f"{out} or were dropped by a filter earlier ({rejected_path(out).name})")
-        return finish()
-    run_jobs(cfg, backend, jobs, writer, stats, finish)
+    try:
+        if not jobs:
+            log(f"fastmtp distill: nothing to do: the {stats.samples_planned} samples planned are "
+                f"all in {out} or were dropped by a filter earlier ({rejected_path(out).name})")
+        else:
+            run_jobs(cfg, backend, jobs, writer, stats, finish)
+    finally:
+        if feats is not None:
+            feats.sink.close()
+    if feats is not None:  # also after an abort: every line written so far has its rows
+        store = feats.finish(out, tokenizer)
+        stats.feature_tokens = int(store.index["tokens"])
+        log(f"fastmtp distill: features of {len(store)} sequences ({stats.feature_tokens} tokens, "
+            f"max_len {cfg.max_len}) in {store.path}")
     finish()
     if stats.aborted:
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
@@ -165,6 +192,72 @@ def _select_prompts(cfg: DistillConfig, stats: Stats, log: Callable[[str], None]
     return prompts
 
 
+@dataclass
+class _Features:
+    """--with-features: the sink and what the cache's key is made of."""
+    sink: FeatureSink
+    cfg: DistillConfig
+    model_dir: str
+    config: dict[str, Any]
+
+    def finish(self, data: Path, tokenizer) -> FeatureStore:
+        key = key_from_parts(self.config, tokenizer, self.model_dir, data, self.cfg.max_len, None,
+                             self.cfg.feature_dtype, 0)
+        return self.sink.finish(data, key, tokenizer, int(self.config.get("vocab_size") or 0)
+                                or len(tokenizer), int(self.config["hidden_size"]))
+
+
+def _open_features(cfg: DistillConfig, backend: Backend, records: list[dict],
+                   jobs: list) -> _Features:
+    """Check everything --with-features needs before a request is sent: the target's directory
+    (config, weight files: the cache's key hashes them, as `train --features` does), the cache
+    path, hidden states from every server (one short request each), rows for the samples already
+    in the output. Then open the sink. Raises FastMTPError with one line."""
+    from fastmtp_sglang.core.target import read_target_config
+
+    model_dir = getattr(backend, "model_dir", None)
+    if model_dir is None:
+        raise FastMTPError("--with-features needs the target's model directory (config.json, "
+                           "tokenizer, weight files: the cache's key hashes them, as `fastmtp "
+                           "train --features` does): give --tokenizer DIR")
+    config = read_target_config(model_dir)
+    if not any(Path(model_dir).glob("*.safetensors")) and not any(Path(model_dir).glob("*.bin")):
+        raise FastMTPError(f"--with-features: {model_dir} has no *.safetensors or *.bin weight "
+                           "files (the cache's key hashes them): give --tokenizer DIR, the "
+                           "target's model directory")
+    width = int(config["hidden_size"])
+    sink = FeatureSink(cfg.with_features, width, cfg.feature_dtype)
+    sink.check()
+    lost = sink.missing([str(r["id"]) for r in records])
+    if lost:
+        raise FastMTPError(f"{len(lost)} samples already in {cfg.out} have no hidden states in "
+                           f"{cfg.with_features} (first {lost[0]!r}: written without "
+                           "--with-features?): distil into a new --out")
+    if jobs:
+        for url in backend.urls:
+            _probe_hidden(url, jobs[0].prompt_ids[:16], width, cfg.timeout)
+    backend.width = width
+    sink.open()
+    return _Features(sink, cfg, model_dir, config)
+
+
+def _probe_hidden(url: str, prompt_ids: list[int], width: int, timeout: float) -> None:
+    """One two-token greedy request asking for hidden states; FastMTPError (one line) when the
+    server refuses the field or returns none or the wrong rows."""
+    try:
+        reply = client.generate(url, input_ids=prompt_ids, timeout=min(timeout, 120),
+                                sampling_params={"temperature": 0, "max_new_tokens": 2},
+                                return_hidden_states=True)
+        hidden_rows(reply, url, len(prompt_ids), width)
+    except client.ServerError as exc:
+        if 400 <= exc.status < 500:
+            msg = " ".join(exc.message.split())[:200]
+            raise FastMTPError(f"{url} refused return_hidden_states ({msg}): {ENABLE}") from None
+        raise
+    except NoHiddenStates as exc:
+        raise FastMTPError(str(exc)) from None
+
+
 def _open_engine(cfg: DistillConfig, log: Callable[[str], None]) -> tuple[Backend, str, Any]:
     """(the engine, the target's name written to each line, its tokenizer): the target loaded
     here with ``--target``, else the server's identity and tokenizer."""
@@ -172,18 +265,33 @@ def _open_engine(cfg: DistillConfig, log: Callable[[str], None]) -> tuple[Backen
         backend: Backend = LocalBackend(cfg, log)
         target, tokenizer = cfg.target_name or cfg.target, backend.tokenizer
     else:
-        try:
-            info = client.server_info(cfg.url, timeout=min(cfg.timeout, 60))
-        except FastMTPError:
-            if cfg.target_name is None or cfg.tokenizer is None:
-                raise
-            info = {}
+        info = {}
+        for url in cfg.urls:
+            try:
+                got = client.server_info(url, timeout=min(cfg.timeout, 60))
+            except FastMTPError:
+                if cfg.target_name is None or cfg.tokenizer is None:
+                    raise
+                continue
+            if info and got.get("model_path") != info.get("model_path"):
+                raise FastMTPError(f"the --url servers serve different models: {cfg.urls[0]} "
+                                   f"{info.get('model_path')!r}, {url} {got.get('model_path')!r}")
+            info = info or got
         target = cfg.target_name or info.get("model_path") or info.get("tokenizer_path")
         if not target:
             raise FastMTPError(f"{cfg.url}/server_info names no model_path; give --target-name")
         tokenizer = _load_tokenizer(cfg, info)
         backend = HttpBackend(cfg)
+        backend.model_dir = _model_dir(cfg, info)
     return backend, target, tokenizer
+
+
+def _model_dir(cfg: DistillConfig, info: dict[str, Any]) -> str | None:
+    """The target's local directory: ``--tokenizer``, else the server's path when local."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    cand = info.get("tokenizer_path") or info.get("model_path")
+    return cand if cand and Path(cand).is_dir() else None
 
 
 def _load_tokenizer(cfg: DistillConfig, info: dict[str, Any]):

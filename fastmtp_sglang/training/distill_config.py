@@ -16,7 +16,9 @@ from fastmtp_sglang.core.errors import FastMTPError
 
 @dataclass
 class DistillConfig:
-    url: str | None
+    # a server, or several (a list: requests go to the one with the fewest in flight); ``url`` is
+    # then the first and ``urls`` all of them
+    url: str | list[str] | tuple[str, ...] | None
     prompts: list[str]
     out: str
     target: str | None = None     # in-process generation from this model directory (no --url)
@@ -42,8 +44,19 @@ class DistillConfig:
     seed: int = 0
     max_repeat_fraction: float = 0.5
     progress: bool = True
+    # with --url: also write the target's hidden states, as returned with each answer, into this
+    # feature cache (training/features_server.py), for `train --features` at this max_len
+    with_features: str | None = None
+    feature_dtype: str = "bfloat16"
+    max_len: int = 1024
+    urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.url, (list, tuple)):
+            self.urls = tuple(self.url)
+            self.url = self.urls[0] if self.urls else None
+        elif self.url is not None and not self.urls:
+            self.urls = (self.url,)
         temps = tuple(self.temperature) if isinstance(self.temperature, (list, tuple)) else (self.temperature,)
         if len(temps) == 1:
             self.temperature = temps[0]
@@ -67,6 +80,11 @@ class DistillConfig:
             ((self.url is None) != (self.target is None),
              "give either --url (a server) or --target (generate in this process), not both"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (len(set(self.urls)) == len(self.urls), f"--url repeats a server: {list(self.urls)}"),
+            (self.with_features is None or self.url is not None,
+             "--with-features keeps the hidden states a server returns: give --url (with "
+             "--target, run `fastmtp features` on the output instead)"),
+            (self.max_len >= 3, f"--max-len must be >= 3, got {self.max_len}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -120,6 +138,8 @@ class Stats:
     seconds: float = 0.0
     engine: str = ""
     generate_seconds: float = 0.0  # from the first request to the last result
+    requests_per_server: dict[str, int] = field(default_factory=dict)  # --url: requests to each
+    feature_tokens: int = 0  # --with-features: tokens in the feature cache
 
     @property
     def tokens_per_s(self) -> float:

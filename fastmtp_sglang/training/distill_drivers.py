@@ -37,14 +37,17 @@ class GeneratorStopped(Exception):
 
 
 def request_with_retries(url: str, job: Job, retries: int, backoff: float, timeout: float,
-                         sleep: Callable[[float], None] = time.sleep) -> tuple[dict, int]:
+                         sleep: Callable[[float], None] = time.sleep,
+                         hidden: bool = False) -> tuple[dict, int]:
     """(the server's reply, retries used). Raises Refused on 4xx (but 408 / 429, which are
-    retried), Unreachable when the connection kept failing, ServerError on a lasting 5xx."""
+    retried), Unreachable when the connection kept failing, ServerError on a lasting 5xx.
+    ``hidden``: ask for the target's hidden states too (SGLang's ``return_hidden_states``)."""
     attempt = 0
     while True:
         try:
             out = client.generate(url, input_ids=job.prompt_ids,
-                                  sampling_params=job.sampling_params, timeout=timeout)
+                                  sampling_params=job.sampling_params, timeout=timeout,
+                                  return_hidden_states=hidden)
             if not isinstance(out, dict):
                 raise client.ServerError(url, 502, f"reply is not a JSON object: {str(out)[:80]}")
             return out, attempt
@@ -86,15 +89,54 @@ class Backend:
 
 
 class HttpBackend(Backend):
-    def __init__(self, cfg: DistillConfig):
-        self.cfg = cfg
-        self.window = 2 * cfg.concurrency
-        self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="distill")
-        self.describe = f"server {cfg.url}, {cfg.concurrency} requests in flight"
+    """One server, or several: ``cfg.concurrency`` requests in flight on each, a request going to
+    the server with the fewest in flight (on a tie, the one sent fewest), so a faster server
+    takes more, and the second request of a run always goes to a second server.
+    ``width``: also ask for the hidden states and check they are [P + N - 1, width]; the rows
+    come back as ``reply["hidden"]`` (features_server.hidden_rows), NoHiddenStates otherwise."""
+
+    def __init__(self, cfg: DistillConfig, width: int | None = None):
+        import threading
+
+        self.cfg, self.width = cfg, width
+        self.urls = list(cfg.urls or (cfg.url,))
+        n = len(self.urls)
+        self.window = 2 * cfg.concurrency * n
+        self.pool = ThreadPoolExecutor(cfg.concurrency * n, thread_name_prefix="distill")
+        self.in_flight = {u: 0 for u in self.urls}
+        self.sent = {u: 0 for u in self.urls}
+        self._lock = threading.Lock()
+        self.model_dir: str | None = None  # the target's local directory, when known
+        self.describe = (f"server {cfg.url}, {cfg.concurrency} requests in flight" if n == 1 else
+                         f"{n} servers ({', '.join(self.urls)}), {cfg.concurrency} requests in "
+                         "flight each")
 
     def submit(self, job: Job) -> Future:
+        with self._lock:
+            url = min(self.urls, key=lambda u: (self.in_flight[u], self.sent[u]))
+            self.in_flight[url] += 1
+            self.sent[url] += 1
+        fut = self.pool.submit(self._ask, url, job)
+        fut.add_done_callback(lambda _f, u=url: self._done(u))
+        return fut
+
+    def _done(self, url: str) -> None:
+        with self._lock:
+            self.in_flight[url] -= 1
+
+    def _ask(self, url: str, job: Job) -> tuple[dict, int]:
+        from fastmtp_sglang.training.distill_filters import finish_type
+        from fastmtp_sglang.training.features_server import hidden_rows
+
         c = self.cfg
-        return self.pool.submit(request_with_retries, c.url, job, c.retries, c.backoff, c.timeout)
+        reply, used = request_with_retries(url, job, c.retries, c.backoff, c.timeout,
+                                           hidden=self.width is not None)
+        if self.width is not None:
+            meta = reply.get("meta_info") or {}
+            if finish_type(meta.get("finish_reason")) != "abort":  # an abort is not written
+                reply["hidden"] = hidden_rows(reply, url, len(job.prompt_ids), self.width)
+            meta.pop("hidden_states", None)
+        return reply, used
 
     def shutdown(self, wait: bool) -> None:
         self.pool.shutdown(wait=wait, cancel_futures=True)

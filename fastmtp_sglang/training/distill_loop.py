@@ -17,6 +17,7 @@ from fastmtp_sglang.training.distill_drivers import Backend, GeneratorStopped, R
 from fastmtp_sglang.training.distill_filters import ResponseFilter, finish_type, is_truncated
 from fastmtp_sglang.training.distill_io import rejected_path
 from fastmtp_sglang.training.distill_prompts import Job
+from fastmtp_sglang.training.features_server import NoHiddenStates
 
 if TYPE_CHECKING:
     from fastmtp_sglang.training.distill_config import DistillConfig, Stats
@@ -58,6 +59,7 @@ class ResultWriter:
         self.lines_in_output = lines_in_output
         self.listed_refused: set[str] = set()
         self.fout = self.frej = None  # the output and rejected files, open while run_jobs runs
+        self.features = None  # --with-features: a features_server.FeatureSink, open
 
     def handle(self, job: Job, kind: str, payload: Any) -> None:
         if kind in ("refused", "skipped"):  # skipped: a sibling sample of a refused prompt
@@ -89,6 +91,8 @@ class ResultWriter:
             self.frej.flush()
             return
         self.stats.truncated_kept += truncated
+        if self.features is not None:  # the rows first: every line of the output has its rows
+            self.features.add(job.id, reply["hidden"])
         self.fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self.fout.flush()
         self.stats.written += 1
@@ -143,7 +147,7 @@ def run_jobs(cfg: DistillConfig, backend: Backend, jobs: list[Job], writer: Resu
                                 refused_prompts.add(jobs[i].prompt.id)
                             except client.ServerError as exc:
                                 results[i] = ("failed", str(exc))
-                            except GeneratorStopped:
+                            except (GeneratorStopped, NoHiddenStates):
                                 raise
                     while next_write in results:
                         writer.handle(jobs[next_write], *results.pop(next_write))
@@ -153,8 +157,9 @@ def run_jobs(cfg: DistillConfig, backend: Backend, jobs: list[Job], writer: Resu
                     bar.set_postfix(written=stats.written, dropped=sum(stats.dropped.values()),
                                     refused=stats.refused, refresh=False)
             except Unreachable as exc:
-                stats.aborted = f"{cfg.url} unreachable after {cfg.retries} retries: {exc}"
-            except GeneratorStopped as exc:
+                who = cfg.url if len(cfg.urls) <= 1 else "a server"
+                stats.aborted = f"{who} unreachable after {cfg.retries} retries: {exc}"
+            except (GeneratorStopped, NoHiddenStates) as exc:
                 stats.aborted = str(exc)
             except KeyboardInterrupt:
                 stats.aborted = "interrupted"

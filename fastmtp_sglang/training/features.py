@@ -88,14 +88,23 @@ def weights_sha256(target_dir: str | Path) -> str:
 def make_key(target, target_dir: str | Path, data: str | Path, max_len: int,
              max_sequences: int | None, dtype: str, topk: int,
              aux_layers: tuple[int, ...] | list[int] = ()) -> FeatureKey:
+    return key_from_parts(target.config, target.tokenizer, target_dir, data, max_len, max_sequences,
+                          dtype, topk, aux_layers)
+
+
+def key_from_parts(config: dict[str, Any], tokenizer, target_dir: str | Path, data: str | Path,
+                   max_len: int, max_sequences: int | None, dtype: str, topk: int,
+                   aux_layers: tuple[int, ...] | list[int] = ()) -> FeatureKey:
+    """The key from the target's config.json, tokenizer and weight files, without loading its
+    weights (``fastmtp distill --with-features`` writes caches the trainer's key opens)."""
     from fastmtp_sglang.core.identity import config_hash, tokenizer_hash
 
     if dtype not in FEATURE_DTYPES:
         raise FastMTPError(f"--feature-dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
     if topk < 0:
         raise FastMTPError(f"--topk must be >= 0 (0 = no logits stored), got {topk}")
-    return FeatureKey(file_sha256(Path(data)), weights_sha256(target_dir), config_hash(target.config),
-                      tokenizer_hash(target.tokenizer) if target.tokenizer is not None else None,
+    return FeatureKey(file_sha256(Path(data)), weights_sha256(target_dir), config_hash(config),
+                      tokenizer_hash(tokenizer) if tokenizer is not None else None,
                       max_len, max_sequences, dtype, topk, [int(i) for i in aux_layers])
 
 
