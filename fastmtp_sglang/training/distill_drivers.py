@@ -126,6 +126,7 @@ class HttpBackend(Backend):
 
     def _ask(self, url: str, job: Job) -> tuple[dict, int]:
         from fastmtp_sglang.training.distill_filters import finish_type
+        from fastmtp_sglang.training.features import FEATURE_DTYPES
         from fastmtp_sglang.training.features_server import hidden_rows
 
         c = self.cfg
@@ -134,7 +135,9 @@ class HttpBackend(Backend):
         if self.width is not None:
             meta = reply.get("meta_info") or {}
             if finish_type(meta.get("finish_reason")) != "abort":  # an abort is not written
-                reply["hidden"] = hidden_rows(reply, url, len(job.prompt_ids), self.width)
+                rows = hidden_rows(reply, url, len(job.prompt_ids), self.width)
+                # in the cache's dtype at once: replies wait here behind slower ones
+                reply["hidden"] = rows.to(FEATURE_DTYPES[c.feature_dtype])
             meta.pop("hidden_states", None)
         return reply, used
 
