@@ -273,3 +273,28 @@ def test_cli(servers, plain_server, target_dir, tmp_path, run_cli):
     store = FeatureStore(tmp_path / "d.features")
     assert len(store) == len(PROMPTS) and store.index["key"]["max_len"] == MAX_LEN
     assert "features of 5 sequences" in err
+
+
+def test_resume_cuts_what_a_crash_left(servers, target_dir, tmp_path):
+    """A run stopped between writing a sample's rows and its staged line (or mid-line) leaves
+    rows no line records and a cut line: the rerun drops both and ends as a single run."""
+    from fastmtp_sglang.training.features_server import DATA, INDEX, STAGED
+
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    once.mkdir()
+    twice.mkdir()
+    distill(cfg_for(servers[0], target_dir, once), log=lambda s: None)
+    distill(cfg_for(servers[0], target_dir, twice, limit=2), log=lambda s: None)
+    work = twice / ".data.features.distill"
+    (twice / "data.features").rename(work)  # as a stopped run leaves it: no index
+    (work / INDEX).unlink()
+    with open(work / DATA, "ab") as f:
+        f.write(b"\x01" * (64 * 4 * 3 + 5))  # 3 rows and a piece of one, never recorded
+    with open(work / STAGED, "a") as f:
+        f.write('{"id": "p9#0", "row": 1')  # cut mid-line
+    distill(cfg_for(servers[0], target_dir, twice), log=lambda s: None)
+    assert not work.exists()
+    s1, s2 = FeatureStore(once / "data.features"), FeatureStore(twice / "data.features")
+    assert s1.index["rows"] == s2.index["rows"]
+    for i in range(len(s1)):
+        assert torch.equal(s1(i), s2(i))
