@@ -155,7 +155,8 @@ def test_hidden_rows_checks():
 # the cache
 # --------------------------------------------------------------------------------------------
 
-def reference_cache(target_dir: Path, data: Path, out: Path) -> tuple[FeatureStore, list, Any]:
+def reference_cache(target_dir: Path, data: Path, out: Path,
+                    max_len: int = MAX_LEN) -> tuple[FeatureStore, list, Any]:
     """`fastmtp features` on ``data`` (fp32), the examples as `fastmtp train` reads them, and
     the trainer's key for that file."""
     from fastmtp_sglang.core.target import load_target
@@ -163,10 +164,10 @@ def reference_cache(target_dir: Path, data: Path, out: Path) -> tuple[FeatureSto
 
     target = load_target(target_dir, "float32")
     vocab = int(target.config["vocab_size"])
-    examples, _ = load_examples(data, target.tokenizer, vocab, MAX_LEN, 1)
-    store = open_or_build(target, target_dir, data, examples, out, MAX_LEN, None, "float32", 0,
+    examples, _ = load_examples(data, target.tokenizer, vocab, max_len, 1)
+    store = open_or_build(target, target_dir, data, examples, out, max_len, None, "float32", 0,
                           progress=False, log=lambda s: None)
-    key = make_key(target, target_dir, data, MAX_LEN, None, "float32", 0)
+    key = make_key(target, target_dir, data, max_len, None, "float32", 0)
     return store, examples, key
 
 
@@ -298,3 +299,20 @@ def test_resume_cuts_what_a_crash_left(servers, target_dir, tmp_path):
     assert s1.index["rows"] == s2.index["rows"]
     for i in range(len(s1)):
         assert torch.equal(s1(i), s2(i))
+
+
+def test_another_max_len_reindexes_without_asking(servers, target_dir, tmp_path):
+    """The cache keeps every position of every sample: rerunning with another --max-len
+    re-indexes it (no request sent) into the cache `fastmtp features` builds at that length."""
+    longer = MAX_LEN + 8
+    distill(cfg_for(servers[0], target_dir, tmp_path, limit=3), log=lambda s: None)
+    before = served(servers[0])
+    distill(cfg_for(servers[0], target_dir, tmp_path, limit=3, max_len=longer), log=lambda s: None)
+    assert served(servers[0]) == before
+    ref, examples, key = reference_cache(target_dir, tmp_path / "data.jsonl",
+                                         tmp_path / "ref.features", longer)
+    got = FeatureStore(tmp_path / "data.features", key)
+    assert any(len(e.ids) > MAX_LEN for e in examples)
+    for i, e in enumerate(examples):
+        g, r = got(i, e.ids), ref(i, e.ids)
+        torch.testing.assert_close(g[:-1], r[:-1], atol=1e-6, rtol=0)
