@@ -252,7 +252,7 @@ def test_flags_compiler_and_source_are_in_the_key(amx_cpu, monkeypatch):
 
 
 def test_a_failed_build_is_logged_once(amx_cpu, monkeypatch, caplog):
-    monkeypatch.setattr(ck, "_state", {})
+    monkeypatch.setattr(ck._once, "state", {})
     monkeypatch.setenv("CC", "/bin/false")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert ck.library() is None and ck.library() is None and not ck.available()

@@ -53,8 +53,6 @@ NEEDS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16
 TILE_K = 32                      # inputs per tile
 BLOCK_N = 16                     # output columns per tile
 
-_lock = threading.Lock()
-_state: dict = {}
 log = logging.getLogger(__name__)
 
 
@@ -204,24 +202,31 @@ def open_library(cc: str, source: Path = SOURCE, stem: str = "cpu_amx") -> ctype
     return ctypes.CDLL(str(path))
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built from ``source``, None) or (None, why not): ``FASTMTP_CPU_KERNELS=off``,
+    a CPU without one of ``needs``, no C compiler, a refused cache folder or a failed build (the
+    last two logged). Shared by this module and core/cpu_attention.py."""
     if os.environ.get(ENV, "auto") == "off":
         return None, f"{ENV}=off"
-    missing = [f for f in NEEDS if f not in cpu_flags()]
+    missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         return None, f"the CPU lacks {', '.join(missing)}"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None, "no C compiler (gcc) on PATH"
     try:
-        lib = open_library(cc)
+        return open_library(cc, source, stem), None
     except UnsafeCacheDir as e:
         why = f"refusing the kernel cache: {e}"
-        log.warning("cpu_amx: %s; PyTorch's kernels are used instead", why)
-        return None, why
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         why = f"building the kernel failed: {e}"
-        log.warning("cpu_amx: %s; PyTorch's kernels are used instead", why)
+    log.warning("%s: %s; PyTorch's kernels are used instead", stem, why)
+    return None, why
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    lib, why = load_for_cpu(SOURCE, "cpu_amx", NEEDS)
+    if lib is None:
         return None, why
     lib.fastmtp_linear_bf16_amx.restype = None
     lib.fastmtp_linear_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -237,15 +242,34 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
+class Once:
+    """A library loaded on first use, once per process: ``get()`` is it or None, ``why()`` the
+    reason it is not there; ``state`` ({"lib", "why"} once loaded) is what tests replace."""
+
+    def __init__(self, load):
+        self.load, self.state, self.lock = load, {}, threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if "lib" in self.state:
+            return self.state["lib"]
+        with self.lock:
+            if "lib" not in self.state:
+                self.state["lib"], self.state["why"] = self.load()
+            return self.state["lib"]
+
+    def why(self) -> str | None:
+        self.get()
+        return self.state.get("why")
+
+
+_once = Once(lambda: _load())
+_state = _once.state
+
+
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (then :func:`unavailable_reason` says why). Built once per
     source, compiler and flags, loaded once per process (a failure is logged once)."""
-    if "lib" in _state:
-        return _state["lib"]
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["why"] = _load()
-        return _state["lib"]
+    return _once.get()
 
 
 def available() -> bool:
@@ -253,8 +277,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    library()
-    return _state.get("why")
+    return _once.why()
 
 
 @dataclass
@@ -287,7 +310,7 @@ def linear_rows(x: torch.Tensor, p: Packed, bias: torch.Tensor | None) -> torch.
     ``bias`` or None, without the checks (the engine's hot path; callers guarantee them)."""
     M = x.shape[0]
     y = torch.empty(M, p.n, dtype=torch.bfloat16)
-    _state["lib"].fastmtp_linear_bf16_amx(x.data_ptr(), p.data.data_ptr(),
+    _once.state["lib"].fastmtp_linear_bf16_amx(x.data_ptr(), p.data.data_ptr(),
                                           bias.data_ptr() if bias is not None else None,
                                           y.data_ptr(), M, p.n, p.k, torch.get_num_threads())
     return y

@@ -22,60 +22,35 @@ last bf16 bit; a row's result does not depend on the other rows or on the thread
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import shutil
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from fastmtp_sglang.core import cpu_amx
-from fastmtp_sglang.core.hardware import cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 NEEDS = ("avx512f",)
 MAX_D, MAX_G = 256, 16
 
-_lock = threading.Lock()
-_state: dict = {}
-log = logging.getLogger(__name__)
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if os.environ.get(cpu_amx.ENV, "auto") == "off":
-        return None, f"{cpu_amx.ENV}=off"
-    missing = [f for f in NEEDS if f not in cpu_flags()]
-    if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None, "no C compiler (gcc) on PATH"
-    try:
-        lib = cpu_amx.open_library(cc, SOURCE, "cpu_attention")
-    except cpu_amx.UnsafeCacheDir as e:
-        why = f"refusing the kernel cache: {e}"
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        why = f"building the kernel failed: {e}"
-    else:
+    lib, why = cpu_amx.load_for_cpu(SOURCE, "cpu_attention", NEEDS)
+    if lib is not None:
         P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         fn = lib.fastmtp_decode_attn_bf16
         fn.restype = None
         fn.argtypes = [P, P, P, P, P, I, I, I, I, I, L, L, L, L, L, L, ctypes.c_float, I]
-        return lib, None
-    log.warning("cpu_attention: %s; PyTorch's attention is used instead", why)
-    return None, why
+    return lib, why
+
+
+_once = cpu_amx.Once(lambda: _load())
+_state = _once.state
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (then :func:`unavailable_reason` says why); loaded once."""
-    if "lib" in _state:
-        return _state["lib"]
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["why"] = _load()
-        return _state["lib"]
+    return _once.get()
 
 
 def available() -> bool:
@@ -83,8 +58,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    library()
-    return _state.get("why")
+    return _once.why()
 
 
 def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
