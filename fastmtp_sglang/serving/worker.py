@@ -254,12 +254,15 @@ class EngineWorker:
         return job
 
     # -- ending a request -------------------------------------------------------------------------
-    def _finish(self, job: _Job, kind: str, payload: Any) -> bool:
-        """Send a job's final event (once); False when it had already ended."""
+    def _finish(self, job: _Job, kind: str, payload: Any, count=None) -> bool:
+        """Send a job's final event (once); False when it had already ended. ``count()`` runs
+        just before the event is sent: /server_info's counters never lag an answer a client has."""
         with job.lock:
             if job.closed:
                 return False
             job.closed = True
+            if count is not None and not job.internal:
+                count()
             job.emit(kind, payload)
         self._forget(job)
         return True
@@ -295,10 +298,10 @@ class EngineWorker:
                           "prompt_tokens": len(job.input_ids), "completion_tokens": len(ids),
                           "cached_tokens": 0, "e2e_latency": time.time() - job.received},
         }
+        if not job.internal:  # (counted before the answer leaves: see _finish)
+            self.stats.add(aborted=1)
         job.emit("aborted", (int(status), partial))
         self._forget(job)
-        if not job.internal:
-            self.stats.add(aborted=1)
         if self.log_requests and not job.internal:
             print(f"[fastmtp serve] {job.inp.rid}: aborted after {len(ids)} tokens ({message})",
                   file=sys.stderr, flush=True)
@@ -477,8 +480,7 @@ class EngineWorker:
         iso.batches.append(q)
 
     def _fail(self, job: _Job, status: int, message: str) -> None:
-        if self._finish(job, "error", (int(status), message)) and not job.internal:
-            self.stats.add(failed=1)
+        self._finish(job, "error", (int(status), message), count=lambda: self.stats.add(failed=1))
 
     def _fail_engine(self, job: _Job, exc: BaseException) -> None:
         traceback.print_exception(exc, file=sys.stderr)
@@ -546,10 +548,10 @@ class EngineWorker:
         if job.inp.return_hidden_states:  # SGLang's rows, recomputed (serving/hidden_states.py)
             out["meta_info"]["hidden_states"] = sglang_hidden_states(
                 self.engine.model, job.input_ids, out["output_ids"])
-        if not self._finish(job, "done", out) or job.internal:
-            return
         acc = [c.accepted for c in res.metrics.cycles]
-        self.stats.add_result(len(job.input_ids), len(res.output_ids), acc)
+        if not self._finish(job, "done", out, count=lambda: self.stats.add_result(
+                len(job.input_ids), len(res.output_ids), acc)) or job.internal:
+            return
         with self._cond:
             self._batch_s = 0.7 * self._batch_s + 0.3 * (time.time() - job.received)
         if self.log_requests:
