@@ -164,6 +164,7 @@ class LocalBackend(Backend):
         self.on_main_thread = True
 
     def prepare(self, jobs: list[Job]) -> None:
+        from fastmtp_sglang.core import cpu_attention
         from fastmtp_sglang.decode.batch import REPACK_SLACK
         from fastmtp_sglang.decode.engine import ReferenceEngine
         from fastmtp_sglang.decode.generator import QueueGenerator, kv_cache_bytes
@@ -187,9 +188,13 @@ class LocalBackend(Backend):
                 "--batch-size or --max-new-tokens")
         engine = ReferenceEngine(self.t, None, 0)
         self.gen = QueueGenerator(engine, self.cfg.batch_size)
+        bf16 = str(next(self.t.model.parameters()).dtype) == "torch.bfloat16"
+        fast_attn = engine.lean is not None and bf16 and cpu_attention.available()
         self.log(f"fastmtp distill: {self.cfg.batch_size} rows through the reference engine at K=0 "
                  f"(prepared weights {'on' if engine.packed else 'off'}, lean forward "
-                 f"{'on' if engine.lean is not None else 'off'}), KV cache up to {need / 2**30:.2f} GiB")
+                 f"{'on' if engine.lean is not None else 'off'}, decode attention "
+                 f"{'one-pass kernel' if fast_attn else 'PyTorch'}), "
+                 f"KV cache up to {need / 2**30:.2f} GiB")
         self.worker = self.gen.worker()  # run() on the main thread, see distill_loop.run_jobs
 
     def run(self) -> None:
