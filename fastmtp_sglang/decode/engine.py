@@ -191,9 +191,11 @@ class ReferenceEngine:
         first: dict[tuple[int, ...], int] = {}
         same = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]
         uniq = sorted(first.values())
-        groups = [sorted(i for i, f in enumerate(same) if f in {uniq[u] for u in g})
-                  for g in prefill_groups([len(requests[i].input_ids) for i in uniq],
-                                          self.prefill_call_tokens)] or [[]]
+        groups = []
+        for g in prefill_groups([len(requests[i].input_ids) for i in uniq], self.prefill_call_tokens):
+            firsts = {uniq[u] for u in g}
+            groups.append([i for i, f in enumerate(same) if f in firsts])
+        groups = groups or [[]]
         # the first group's cache is made with room for every group: merging them copies nothing
         room = (max(len(requests), rows), max((len(r.input_ids) for r in requests), default=0) + SLACK)
         parts = [self._prefill([requests[i] for i in g], [keys[i] for i in g], on_tokens,
@@ -275,7 +277,8 @@ class ReferenceEngine:
             uniq = sorted(first.values())
             u = torch.tensor(uniq, device=dev)
             hidden, feats = self._target(ids[u], ar[None].expand(len(u), L), b.valid[u].long(), b.cache)
-            pick = torch.tensor([uniq.index(j) for j in src], device=dev)            # [B]
+            where = {j: n for n, j in enumerate(uniq)}
+            pick = torch.tensor([where[j] for j in src], device=dev)                  # [B]
             b.cache.take_rows(pick)
             feats = hidden[pick] if feats is hidden else feats[pick]
             hidden = hidden[pick]
