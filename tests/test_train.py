@@ -30,7 +30,8 @@ from fastmtp_sglang.core.target import Target
 from fastmtp_sglang.training.checkpoints import load_trainer_state
 from fastmtp_sglang.training.config import TrainConfig, step_weights
 from fastmtp_sglang.training.data import Batch, collate, load_examples
-from fastmtp_sglang.training.objective import Projection, acceptance, batch_loss, serve_mask, unroll
+from fastmtp_sglang.training.objective import (Projection, acceptance, anchors, at, batch_loss,
+                                               serve_mask, unroll)
 from fastmtp_sglang.training.train import train
 
 K = 3
@@ -156,6 +157,35 @@ def test_training_path_padded_batch_equals_single():
     for k in range(K):
         valid = 9 - (k + 1)  # anchors whose step-k input token exists
         torch.testing.assert_close(batched[k][1, :valid], alone[k][0, :valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["mimo", "split"])
+def test_anchor_subset_equals_every_position(layout):
+    """Training computes only the anchors a scored target needs (step 1 still adds every
+    position's keys): outputs and gradients equal the all-positions unroll at those anchors,
+    rows of different prompt lengths and padding included. In fp64: the two sum in other orders,
+    and fp32 gradients near cancellation differ by its rounding alone."""
+    target = tiny_target()
+    head = random_head(target, layout).train().double()
+    batch = toy_batch(target, lengths=(14, 9, 12), prompt_lens=(9, 2, 5))
+    batch.hidden = batch.hidden.double()
+    idx, valid = anchors(batch.prompt_lens, batch.lengths, K, batch.input_ids.shape[1])
+    assert idx[:, 0].tolist() == [5, 0, 1] and valid.sum(1).tolist() == [9, 9, 11]
+    w = torch.randn(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run(index):
+        head.zero_grad(set_to_none=True)
+        gs = unroll(head, batch.hidden, batch.input_ids, K, "serve", index)
+        outs = [at(g, None if index is not None else idx)[valid] for g in gs]
+        sum(((o @ w) ** 2).sum() for o in outs).backward()
+        return [o.detach() for o in outs], {n: p.grad.clone() for n, p in head.named_parameters()}
+
+    full, full_grads = run(None)
+    sub, sub_grads = run(idx)
+    for k in range(K):
+        torch.testing.assert_close(sub[k], full[k], atol=1e-10, rtol=1e-10)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(sub_grads[name], grad, atol=1e-9, rtol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------

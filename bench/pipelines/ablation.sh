@@ -31,7 +31,7 @@ source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
 TABLE=$OUT/table/en-16384.pt
 common=(--steps 3 --epochs 2 --batch-size 8 --max-len 512 --lr 1e-3 --dtype bfloat16
-        --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --vocab "$TABLE")
+        --compute-dtype bfloat16 --group-by-length --vocab "$TABLE")
 curve=(--target "$T" --init "$W/init" --tokens "$TOK" --heldout-rows "$HELD" --serve-steps 1,2,3,4,5
        --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1)
 declare -A LOSS=([ce]="--loss ce" [kl]="--loss kl --kl-topk 32" [ce+kl]="--loss ce+kl --kl-topk 32")

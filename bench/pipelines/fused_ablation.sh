@@ -38,7 +38,7 @@ fi
 [[ -f $OUT/init-fused/config.json ]] || "$BIN/fastmtp" init-head --target "$T" --from "$W/init" \
     --aux-layers "$AUX" --dtype float32 "$OUT/init-fused"
 common=(--steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16
-        --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --save-every 200 --eval-every 50
+        --compute-dtype bfloat16 --group-by-length --save-every 200 --eval-every 50
         --vocab "$TABLE")
 for arm in last fused; do
     init=$W/init

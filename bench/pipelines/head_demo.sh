@@ -60,7 +60,7 @@ done
     --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
     --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
     -- --steps 3 --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" --dtype bfloat16 \
-       --compute-dtype bfloat16 --group-by-length --ce-chunk 0 --save-every 200 --eval-every "$EVAL_EVERY" --vocab "$TABLE"
+       --compute-dtype bfloat16 --group-by-length --save-every 200 --eval-every "$EVAL_EVERY" --vocab "$TABLE"
 mkdir -p "$RESULTS"
 cp "$OUT/curve.json" "$OUT/curve.md" "$RESULTS/"
 for f in curve.png curve_steps.png; do if [[ -f $OUT/$f ]]; then cp "$OUT/$f" "$RESULTS/"; fi; done

@@ -99,8 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-accum", type=int, help=f"micro-batches per optimizer step (default {d.grad_accum})")
     p.add_argument("--max-len", type=int, help=f"tokens per sequence, prompt + response; longer "
                    f"responses are cut (default {d.max_len})")
-    p.add_argument("--ce-chunk", type=int, help=f"positions per logits chunk, 0 = unchunked "
-                   f"(default {d.ce_chunk})")
+    p.add_argument("--ce-chunk", type=int, help=f"scored positions per chunk of the fused "
+                   f"projection + loss (its gradient taken in the same pass; no logits kept); 0 = "
+                   f"the plain autograd path, slower, the reference (default {d.ce_chunk})")
     p.add_argument("--vocab", help="compressed-vocabulary table (.pt) to train the head with")
     p.add_argument("--heldout-fraction", type=float, help=f"share of sequences held out and scored "
                    f"as training-time tau each epoch, 0 = none (default {d.heldout_fraction})")

@@ -335,16 +335,28 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                      past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                      queries: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention over explicit key blocks ``[*past, own]`` (training; no cache).
 
         x [B, S, H]; cos, sin [B, S, D]; past: (k, v) pairs, each [B, n_kv, S_i, D], already
-        rotated; mask: bool [S, sum S_i + S] or [B, 1, S, sum S_i + S]. Returns the output
-        [B, S, H] and this call's own rotated (k, v), each [B, n_kv, S, D].
+        rotated; ``queries`` [B, A] (optional): the indices of the S inputs whose outputs are
+        wanted (default all: A = S); mask: bool [A, sum S_i + S] or [B, 1, A, sum S_i + S].
+        Returns the output [B, A, H] and this call's own rotated (k, v) at all S inputs, each
+        [B, n_kv, S, D].
         """
-        b, s, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
+        b = x.shape[0]
+        xq, cq, sq = x, cos, sin
+        if queries is not None:
+            xq, cq, sq = (_rows(t, queries) for t in (x, cos, sin))
+        a = xq.shape[1]
+        cos, sin, cq, sq = cos.unsqueeze(1), sin.unsqueeze(1), cq.unsqueeze(1), sq.unsqueeze(1)
+        q = self.q_proj(xq).view(b, a, self.n_heads, self.head_dim).transpose(1, 2)
+        q = q * cq + _rotate_half(q) * sq
+        k = self.k_proj(x).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)
+        k = k * cos + _rotate_half(k) * sin
         keys = torch.cat([pk for pk, _ in past] + [k], dim=2) if past else k
         vals = torch.cat([pv for _, pv in past] + [v], dim=2) if past else v
         rep = self.n_heads // self.n_kv
@@ -352,7 +364,13 @@ class Attention(nn.Module):
             keys = keys.repeat_interleave(rep, dim=1)
             vals = vals.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, a, -1)), (k, v)
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, S, ...] -> x[b, index[b, a]] as [B, A, ...]."""
+    b = torch.arange(x.shape[0], device=x.device)[:, None]
+    return x[b, index]
 
 
 class MLP(nn.Module):
@@ -382,9 +400,9 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_train(self, x, cos, sin, past, mask):
-        a, kv = self.self_attn.forward_train(self.input_layernorm(x), cos, sin, past, mask)
-        x = x + a
+    def forward_train(self, x, cos, sin, past, mask, queries=None):
+        a, kv = self.self_attn.forward_train(self.input_layernorm(x), cos, sin, past, mask, queries)
+        x = (x if queries is None else _rows(x, queries)) + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
@@ -550,7 +568,8 @@ class FastMTPHead(nn.Module):
         return out, (self.project(out) if return_logits else None)
 
     def forward_train_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                           past_kv: list[tuple[torch.Tensor, torch.Tensor]], attn_mask: torch.Tensor
+                           past_kv: list[tuple[torch.Tensor, torch.Tensor]], attn_mask: torch.Tensor,
+                           queries: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One recursive step over a whole sequence, attending to explicit earlier key blocks.
 
@@ -565,17 +584,21 @@ class FastMTPHead(nn.Module):
         input_ids : [B, S] the tokens paired with ``hidden``.
         positions : [B, S] int64 rotary positions of these queries and keys.
         past_kv : earlier steps' rotated (k, v), each [B, n_kv, S_i, D]; [] for step 1.
-        attn_mask : bool [S, sum S_i + S] or [B, 1, S, sum S_i + S]; True = may attend.
+        attn_mask : bool [A, sum S_i + S] or [B, 1, A, sum S_i + S]; True = may attend.
+        queries : optional [B, A] indices of the S inputs whose outputs are wanted (default all,
+            A = S): the others only add their keys, and skip the query, the output projection
+            and the MLP.
 
         Returns
         -------
-        out_hidden : [B, S, H] after the final norm (no logits: the loss projects in chunks).
-        kv : this step's rotated (k, v), each [B, n_kv, S, D], for the next steps' ``past_kv``.
+        out_hidden : [B, A, H] after the final norm (no logits: the loss projects in chunks).
+        kv : this step's rotated (k, v) at all S inputs, each [B, n_kv, S, D], for the next
+            steps' ``past_kv``.
         """
         if self.embed_tokens is None:
             raise RuntimeError("FastMTPHead has no embedding: call set_embed_and_head first")
         dtype = self.enorm.weight.dtype
         x = self.fuse(hidden.to(dtype), self.embed_tokens(input_ids).to(dtype))
         cos, sin = self.rotary(x, positions)
-        x, kv = self.layer.forward_train(x, cos, sin, past_kv, attn_mask)
+        x, kv = self.layer.forward_train(x, cos, sin, past_kv, attn_mask, queries)
         return self.final_norm(x), kv

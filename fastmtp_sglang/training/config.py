@@ -56,7 +56,7 @@ class TrainConfig:
     max_len: int = 1024               # tokens per sequence (prompt + response); longer responses cut
     batch_size: int = 4               # sequences per micro-batch
     grad_accum: int = 1               # micro-batches per optimizer step
-    ce_chunk: int = 1024              # positions per logits chunk; 0 = one unchunked pass
+    ce_chunk: int = 256               # rows per fused projection + loss chunk; 0 = autograd reference
     heldout_fraction: float = 0.05    # share of sequences scored as training-time tau each epoch
     max_sequences: int | None = None  # use the first N usable rows of the data
     seed: int = 0

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead
 from fastmtp_sglang.training.config import ATTENTIONS
 from fastmtp_sglang.training.data import Batch, Example, HiddenStates, collate
+from fastmtp_sglang.training.fused_loss import projected_loss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -40,8 +40,28 @@ def shift_left(x: torch.Tensor, k: int, fill: int | float = 0) -> torch.Tensor:
     return out
 
 
+def anchors(prompt_lens: torch.Tensor, lengths: torch.Tensor, steps: int, t: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The anchors whose draft steps matter: j >= prompt_len - K - 1 (some step k <= K of anchor j
+    predicts a response token x_{j+k+1}) and j < length. Returns (index [B, A], valid [B, A]):
+    row b's anchors first_b, first_b + 1, ...; padding entries (valid False) repeat position
+    t - 1 and are never scored."""
+    first = (prompt_lens - steps - 1).clamp(min=0)
+    a = max(int((lengths - first).max()), 1)
+    idx = first[:, None] + torch.arange(a, device=lengths.device)[None]
+    valid = idx < lengths[:, None]
+    return idx.clamp(max=t - 1), valid
+
+
+def at(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """x [B, T, ...] at the anchors ``index`` [B, A] -> [B, A, ...]; x itself when index is None."""
+    if index is None:
+        return x
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
+
+
 def unroll(head: FastMTPHead, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
-           attention: str = "serve") -> list[torch.Tensor]:
+           attention: str = "serve", index: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The head's K recursive steps for every anchor of a batch of sequences.
 
     Parameters
@@ -53,27 +73,45 @@ def unroll(head: FastMTPHead, hidden: torch.Tensor, input_ids: torch.Tensor, ste
     steps : K.
     attention : "serve" (train as you serve) or "fastmtp" (step k at position j, causal over
         step k's own keys at every prefix position).
+    index : "serve" only: [B, A] the anchors to compute (:func:`anchors`); default every position.
+        Step 1 still adds keys at every position (later anchors attend to them), but its query,
+        output projection and MLP run at the anchors only, and steps 2..K at the anchors only:
+        prompt anchors that no scored target needs cost only their keys.
 
     Returns
     -------
-    K tensors [B, T, H]: element k-1, column j is g^k_j, the step-k output hidden of anchor j,
-    whose logits predict x_{j+k+1}. Columns whose inputs run past the sequence are garbage.
+    K tensors [B, A, H] (A = T without ``index``): element k-1, column a is g^k_j for anchor
+    j = index[:, a], the step-k output hidden whose logits predict x_{j+k+1}. Columns whose inputs
+    run past the sequence are garbage.
     """
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if index is not None and attention != "serve":
+        raise ValueError("anchor subsets are for the serve pattern (the fastmtp pattern's steps "
+                         "attend to every position of their own step)")
     b, t = input_ids.shape
-    pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    dev = input_ids.device
+    pos = torch.arange(t, device=dev)[None].expand(b, t)
     outs: list[torch.Tensor] = []
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     g = hidden
+    if index is not None:
+        causal = (torch.arange(t, device=dev)[None, None, :] <= index[:, :, None])[:, None]
+        diag = torch.eye(index.shape[1], dtype=torch.bool, device=dev).expand(b, 1, -1, -1)
     for k in range(1, steps + 1):
         ids_k = shift_left(input_ids, k)                                   # x_{j+k}
-        if attention == "serve":
-            g, kv = head.forward_train_step(g, ids_k, pos + (k - 1), past,
-                                            serve_mask(t, k, input_ids.device))
+        if attention != "serve":
+            g, _ = head.forward_train_step(g, ids_k, pos, [], serve_mask(t, 1, dev))
+        elif index is None:
+            g, kv = head.forward_train_step(g, ids_k, pos + (k - 1), past, serve_mask(t, k, dev))
+            past.append(kv)
+        elif k == 1:  # keys at every position, outputs at the anchors
+            g, kv = head.forward_train_step(g, ids_k, pos, [], causal, queries=index)
             past.append(kv)
         else:
-            g, _ = head.forward_train_step(g, ids_k, pos, [], serve_mask(t, 1, input_ids.device))
+            g, kv = head.forward_train_step(g, at(ids_k, index), index + (k - 1), past,
+                                            torch.cat([causal] + [diag] * (k - 1), dim=-1))
+            past.append(kv)
         outs.append(g)
     return outs
 
@@ -122,8 +160,9 @@ class Projection:
         return full_ids if self.index is None else self.index[full_ids]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> fp32 logits [..., S]."""
-        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()
+        """hidden [..., H] -> fp32 logits [..., S] (fp64 for fp64 weights)."""
+        out = F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
 def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Tensor,
@@ -179,9 +218,9 @@ def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
 
     g : [N, H] draft output hidden states; labels : [N] logit columns (-1 = outside the table:
     no CE, counted wrong); target_h : [N, H] the target's hidden states whose logits predict the
-    same tokens (needed for KL). Each chunk's projection and loss run inside
-    ``torch.utils.checkpoint``, so backward recomputes the [chunk, V] logits instead of keeping
-    them; ``chunk=0`` computes everything in one pass without checkpointing (the reference).
+    same tokens (needed for KL). Each chunk is projected and scored with its gradient in one pass
+    (training/fused_loss.py: no [N, V] logits are kept for backward, none recomputed);
+    ``chunk=0`` computes everything through autograd in one pass (the reference).
 
     Returns (CE sum, KL sum, number of argmax hits), each a 0-d tensor.
     """
@@ -189,16 +228,8 @@ def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
     ti, tl = topk if topk is not None else (None, None)
     if chunk <= 0 or n == 0:
         return _chunk_terms(proj, kind, g, labels, target_h, ti, tl)
-    ce = kl = g.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros((), dtype=torch.long, device=g.device)
-    for s in range(0, n, chunk):
-        th = target_h[s:s + chunk] if target_h is not None else None
-        c, k, hit = checkpoint(_chunk_terms, proj, kind, g[s:s + chunk], labels[s:s + chunk], th,
-                               ti[s:s + chunk] if ti is not None else None,
-                               tl[s:s + chunk] if tl is not None else None,
-                               use_reentrant=False)
-        ce, kl, correct = ce + c, kl + k, correct + hit
-    return ce, kl, correct
+    return projected_loss(proj.weight, proj.bias, kind, g, labels, target_h,
+                          proj.labels(ti) if ti is not None else None, tl, chunk)
 
 
 def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, weights: list[float],
@@ -220,18 +251,24 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
     if len(weights) != steps:
         raise ValueError(f"{len(weights)} weights for {steps} steps")
     labels = batch.input_ids if labels is None else labels
-    gs = unroll(head, batch.hidden, batch.input_ids, steps, attention)
+    idx = valid = None
+    if attention == "serve":
+        idx, valid = anchors(batch.prompt_lens, batch.lengths, steps, batch.input_ids.shape[1])
+    gs = unroll(head, batch.hidden, batch.input_ids, steps, attention, idx)
     total = batch.hidden.new_zeros((), dtype=torch.float32)
     stats: dict[str, list] = {"loss": [], "correct": [], "targets": [], "in_table": []}
     for k, (g, w) in enumerate(zip(gs, weights), start=1):
-        sel = shift_left(batch.loss_mask, k + 1, False)                    # target x_{j+k+1} scored
-        lab = proj.labels(shift_left(labels, k + 1)[sel])                  # [N]
+        sel = at(shift_left(batch.loss_mask, k + 1, False), idx)           # target x_{j+k+1} scored
+        if valid is not None:
+            sel = sel & valid
+        lab = proj.labels(at(shift_left(labels, k + 1), idx)[sel])         # [N]
         th = tk = None
         if "kl" in kind and batch.topk_ids is not None:                     # cached top-k at j+k
-            tk = (shift_left(batch.topk_ids, k)[sel], shift_left(batch.topk_logp, k)[sel])
+            tk = (at(shift_left(batch.topk_ids, k), idx)[sel],
+                  at(shift_left(batch.topk_logp, k), idx)[sel])
         elif "kl" in kind:
             # h_{j+k} predicts x_{j+k+1} (the last H columns: a fused head's input starts with aux layers)
-            th = shift_left(batch.hidden[..., -g.shape[-1]:], k)[sel]
+            th = at(shift_left(batch.hidden[..., -g.shape[-1]:], k), idx)[sel]
         ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
         n = int(sel.sum())
         n_in = int((lab >= 0).sum())
@@ -253,15 +290,21 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
 @torch.no_grad()
 def draft_hits(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, chunk: int = 1024
                ) -> torch.Tensor:
-    """hits [B, K, T] bool: step k's argmax at anchor j equals x_{j+k+1} (serve pattern)."""
-    gs = unroll(head, batch.hidden, batch.input_ids, steps, "serve")
+    """hits [B, K, T] bool: step k's argmax at anchor j equals x_{j+k+1} (serve pattern); False
+    at anchors no scored target needs (j < prompt_len - K - 1, see :func:`anchors`)."""
     b, t = batch.input_ids.shape
+    idx, valid = anchors(batch.prompt_lens, batch.lengths, steps, t)
+    gs = unroll(head, batch.hidden, batch.input_ids, steps, "serve", idx)
     hits = torch.zeros(b, steps, t, dtype=torch.bool, device=batch.input_ids.device)
+    rows = torch.arange(b, device=idx.device)[:, None].expand_as(idx)[valid]
     for k, g in enumerate(gs, start=1):
-        flat = g.reshape(b * t, -1)
-        step = chunk if chunk > 0 else b * t
-        pred = torch.cat([proj(flat[s:s + step]).argmax(-1) for s in range(0, b * t, step)])
-        hits[:, k - 1] = pred.view(b, t) == proj.labels(shift_left(batch.input_ids, k + 1))
+        flat = g[valid]
+        n = flat.shape[0]
+        step = chunk if chunk > 0 else max(n, 1)
+        pred = torch.cat([proj(flat[s:s + step]).argmax(-1) for s in range(0, n, step)]
+                         or [flat.new_zeros(0, dtype=torch.long)])
+        truth = at(proj.labels(shift_left(batch.input_ids, k + 1)), idx)[valid]
+        hits[rows, k - 1, idx[valid]] = pred == truth
     return hits
 
 

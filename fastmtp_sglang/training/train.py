@@ -27,8 +27,10 @@ for comparison.
 Loss: sum_k w_k L_k with w_k = beta^(k-1) / sum_j beta^(j-1) (beta 0.6, K 3: 0.51/0.31/0.18);
 L_k is the mean over the step's targets that are response tokens of cross-entropy ("ce"), KL(target
 || draft) to the frozen target's own logits for the same token ("kl"), or their sum ("ce+kl").
-Logits are computed per step and per chunk of ``--ce-chunk`` positions inside
-``torch.utils.checkpoint``, so K x T x V logits never sit in memory. ``--vocab TABLE.pt`` trains
+Logits are computed per step and per chunk of ``--ce-chunk`` positions, scored and
+differentiated in the same pass (training/fused_loss.py), so K x T x V logits never sit in
+memory. Only the anchors a scored target needs are computed (objective.anchors: prompt
+positions add their step-1 keys and nothing else). ``--vocab TABLE.pt`` trains
 with the compressed head that will serve (lm_head rows of the table only; CE targets outside the
 table are masked out and counted; KL is over the table, the target renormalised on it).
 
