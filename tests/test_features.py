@@ -165,3 +165,65 @@ def test_features_cli(saved, tmp_path, run_cli):
     rc, _, err = run_cli("features", "--target", tdir, "--data", data, "--out", out,
                          "--max-len", "50", "--no-progress")
     assert rc == 1 and "max_len" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# training from a complete cache reads only the target's embedding and lm_head
+# ------------------------------------------------------------------------------------------------
+
+def _tied_target_dir(root: Path, tokenizer) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=97,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    d = root / "tied"
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    tokenizer.save_pretrained(str(d))
+    return d
+
+
+def test_embedding_and_lm_head_read_from_safetensors(saved, tmp_path, tiny_tokenizer):
+    from fastmtp_sglang.core.target import load_embed_and_head
+
+    t, tdir, _, _ = saved
+    sharded = tmp_path / "sharded"
+    t.model.save_pretrained(str(sharded), max_shard_size="20KB")
+    tiny_tokenizer.save_pretrained(str(sharded))
+    assert (sharded / "model.safetensors.index.json").is_file()
+    for d in (tdir, sharded):
+        parts = load_embed_and_head(d)
+        assert torch.equal(parts.embed.weight, t.embed.weight)
+        assert torch.equal(parts.lm_head.weight, t.lm_head.weight)
+        assert sum(p.numel() for p in parts.model.parameters()) == 2 * t.embed.weight.numel()
+        assert parts.config == t.config and parts.tokenizer is not None
+    tied = _tied_target_dir(tmp_path, tiny_tokenizer)
+    parts, full = load_embed_and_head(tied), load_target(tied)
+    assert parts.lm_head.weight is parts.embed.weight
+    assert torch.equal(parts.lm_head.weight, full.lm_head.weight)
+    # not safetensors: None, and the trainer loads the whole model
+    bin_dir = tmp_path / "bin"
+    t.model.save_pretrained(str(bin_dir), safe_serialization=False)
+    if not list(bin_dir.glob("*.safetensors")):
+        assert load_embed_and_head(bin_dir) is None
+
+
+def test_train_cli_from_a_complete_cache_loads_no_layers(saved, tmp_path, run_cli):
+    """The first run builds the cache with the whole target; the second reads only the embedding
+    and lm_head and trains the same head, bit for bit."""
+    from safetensors.torch import load_file
+
+    t, tdir, data, init = saved
+    args = ["train", "--target", tdir, "--init", init, "--data", data, "--features", tmp_path / "f",
+            "--steps", str(K), "--epochs", "1", "--batch-size", "4", "--max-len", "64",
+            "--loss", "ce+kl", "--kl-topk", "3", "--heldout-fraction", "0", "--no-progress",
+            "--overwrite"]
+    rc, _, err = run_cli(*args, "--out", tmp_path / "full")
+    assert rc == 0, err
+    assert "embedding and lm_head only" not in err
+    rc, _, err = run_cli(*args, "--out", tmp_path / "parts")
+    assert rc == 0, err
+    assert "embedding and lm_head only" in err
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "parts" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

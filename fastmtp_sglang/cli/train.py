@@ -47,10 +47,31 @@ def _run(args: argparse.Namespace) -> int:
         parallel.end(started)
 
 
-def _train(args: argparse.Namespace, cfg: TrainConfig, device: str) -> int:
-    from fastmtp_sglang.core.target import load_target
+def _load_target(args: argparse.Namespace, device: str):
+    """With a complete feature cache (--features, or the one a resumed checkpoint names) the
+    trainer reads only the target's embedding and lm_head (from its safetensors files): the
+    other layers' outputs are in the cache. Otherwise the whole model, which builds the cache or
+    runs every step."""
+    import sys
 
-    target = load_target(args.target, dtype=args.dtype, device=device)
+    from fastmtp_sglang.core.target import load_embed_and_head, load_target
+    from fastmtp_sglang.training.features import INDEX
+
+    features = args.features
+    if features is None and args.resume:
+        features = load_trainer_state(Path(args.resume)).get("features")
+    if features is not None and (Path(features) / INDEX).is_file():
+        target = load_embed_and_head(args.target, dtype=args.dtype, device=device)
+        if target is not None:
+            if parallel.current().main:
+                print(f"train: feature cache {features} is complete: read the target's embedding "
+                      "and lm_head only", file=sys.stderr)
+            return target
+    return load_target(args.target, dtype=args.dtype, device=device)
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, device: str) -> int:
+    target = _load_target(args, device)
     vocab_ids = vocab_name = None
     if args.vocab:
         from fastmtp_sglang.vocab.tables import load_table

@@ -92,6 +92,70 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
     return Target(model, tok, cfg, cfg.get("_name_or_path") or path.name)
 
 
+class _EmbedAndHead(torch.nn.Module):
+    """A target reduced to what training from a feature cache reads: the token embedding and the
+    output projection (tied when the checkpoint ties them), with the model's accessors."""
+
+    def __init__(self, embed: torch.nn.Embedding, lm_head: torch.nn.Linear):
+        super().__init__()
+        self.embed_tokens, self.lm_head = embed, lm_head
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+EMBED_NAMES = ("model.embed_tokens.weight",)
+HEAD_NAMES = ("lm_head.weight",)
+
+
+def load_embed_and_head(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                        tokenizer: bool = True) -> Target | None:
+    """The target's embedding and lm_head read straight from its safetensors files (the other
+    layers are never read), for training from a complete feature cache: a 70B target's two
+    vocabulary matrices instead of the whole model. None where the checkpoint is not in
+    safetensors or names them otherwise (then load the whole model with :func:`load_target`)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = read_target_config(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        where = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                where.update({k: f.name for k in fh.keys()})
+    embed_name = next((n for n in EMBED_NAMES if n in where), None)
+    head_name = next((n for n in HEAD_NAMES if n in where), None)
+    if embed_name is None or (head_name is None and not cfg.get("tie_word_embeddings", False)):
+        return None
+    dt = parse_dtype(dtype, device)
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(path / where[name]), framework="pt") as fh:
+            return fh.get_tensor(name).to(device=device, dtype=dt)
+
+    w_embed = read(embed_name)
+    embed = torch.nn.Embedding(w_embed.shape[0], w_embed.shape[1], device="meta")
+    embed.weight = torch.nn.Parameter(w_embed, requires_grad=False)
+    head = torch.nn.Linear(w_embed.shape[1], w_embed.shape[0], bias=False, device="meta")
+    tied = head_name is None or cfg.get("tie_word_embeddings", False)
+    head.weight = embed.weight if tied else torch.nn.Parameter(read(head_name), requires_grad=False)
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise FastMTPError(f"cannot load the tokenizer of {path}: {exc}") from None
+    return Target(_EmbedAndHead(embed, head).eval(), tok, cfg, cfg.get("_name_or_path") or path.name)
+
+
 BASE_CHECKS = ("base config hash", "tokenizer hash")
 
 
