@@ -255,16 +255,17 @@ class EngineWorker:
 
     # -- ending a request -------------------------------------------------------------------------
     def _finish(self, job: _Job, kind: str, payload: Any, count=None) -> bool:
-        """Send a job's final event (once); False when it had already ended. ``count()`` runs
-        just before the event is sent: /server_info's counters never lag an answer a client has."""
+        """Send a job's final event (once); False when it had already ended. ``count()`` runs,
+        and the job leaves the in-flight set, before the event is sent: /server_info never lags
+        an answer a client has (closed under the lock: no other event follows it)."""
         with job.lock:
             if job.closed:
                 return False
             job.closed = True
             if count is not None and not job.internal:
                 count()
-            job.emit(kind, payload)
         self._forget(job)
+        job.emit(kind, payload)
         return True
 
     def _forget(self, job: _Job) -> None:
@@ -300,8 +301,8 @@ class EngineWorker:
         }
         if not job.internal:  # (counted before the answer leaves: see _finish)
             self.stats.add(aborted=1)
-        job.emit("aborted", (int(status), partial))
         self._forget(job)
+        job.emit("aborted", (int(status), partial))
         if self.log_requests and not job.internal:
             print(f"[fastmtp serve] {job.inp.rid}: aborted after {len(ids)} tokens ({message})",
                   file=sys.stderr, flush=True)
