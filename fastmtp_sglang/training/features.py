@@ -287,11 +287,13 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                     flush()
                 buf_h[filled:filled + n] = h
                 if key.topk:
-                    lp = torch.log_softmax(target.lm_head(h[:, -H:]).float(), dim=-1)
-                    top = lp.topk(key.topk, dim=-1)
+                    # the top-k of the log-softmax are the top-k logits less their logsumexp:
+                    # no [n, V] log-softmax is written
+                    z = target.lm_head(h[:, -H:]).float()
+                    top = z.topk(key.topk, dim=-1)
                     buf_ids[filled:filled + n] = top.indices
-                    buf_lp[filled:filled + n] = top.values
-                    del lp, top
+                    buf_lp[filled:filled + n] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)
+                    del z, top
                 buf_rows.append((r, filled, n))
                 filled += n
                 bar.update(n)
