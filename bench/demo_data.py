@@ -1,8 +1,8 @@
 """Data files for the demo-target bench scripts (curve_demo.sh, ablation.sh, head_demo.sh),
 from one self-distilled file.
 
-    python bench/demo_data.py prefix   SRC DST TOKENS HELD
-    python bench/demo_data.py corpus   SRC DST HELD
+    python bench/demo_data.py prefix   SRC DST TOKENS HELD [--disjoint]
+    python bench/demo_data.py corpus   SRC DST HELD [--disjoint]
     python bench/demo_data.py prompts  DATA DST HELD
     python bench/demo_data.py mix      DATA GREEDY DST HELD
 
@@ -10,6 +10,10 @@ from one self-distilled file.
 `fastmtp curve --heldout-rows HELD` takes them from); the training rows are read from row HELD on
 until TOKENS response tokens (+5%: rows longer than --max-len are cut when training). The same
 layout as bench/pipelines/curve_demo.sh, so a point here and a point there train on the same rows.
+With ``--disjoint`` no training row shares a prompt with a held-out row (the held-out rows' other
+samples are skipped: with 8 samples per prompt, 4 of a held-out prompt's came after row HELD, and
+the held-out score read answers to prompts the head had trained on); without it, the rows the
+shipped heads were trained on (101 such rows in their 7,872).
 ``corpus``: the responses of SRC's rows after the held-out ones, as jsonl text for
 `fastmtp build-vocab --corpus` (a table from the target's own outputs, never the held-out rows).
 ``prompts``: one row per distinct prompt of DATA's training rows, for a greedy `fastmtp distill`.
@@ -34,16 +38,23 @@ def _write(path: str, lines: list[str]) -> None:
         f.writelines(lines)
 
 
-def prefix(src: str, dst: str, tokens: int, held: int) -> None:
+def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False) -> None:
     rows = _rows(src)
     if len(rows) <= held:
         sys.exit(f"{src} has {len(rows)} rows; {held} are held out")
-    take, n = [], 0
+    held_prompts = {json.loads(x)["prompt_id"] for x in rows[:held]} if disjoint else set()
+    take, n, skipped = [], 0, 0
     for line in rows[held:]:
         if n >= tokens * 1.05:
             break
+        r = json.loads(line)
+        if r["prompt_id"] in held_prompts:
+            skipped += 1
+            continue
         take.append(line)
-        n += len(json.loads(line)["response_ids"])
+        n += len(r["response_ids"])
+    if skipped:
+        print(f"prefix: {skipped} rows skipped (their prompts are held out)", file=sys.stderr)
     if n < tokens:
         print(f"prefix: only {n} response tokens after the held-out rows; larger points are "
               "skipped by fastmtp curve", file=sys.stderr)
@@ -51,9 +62,11 @@ def prefix(src: str, dst: str, tokens: int, held: int) -> None:
     print(f"prefix: {len(take)} training rows ({n} response tokens) + {held} held-out rows -> {dst}")
 
 
-def corpus(src: str, dst: str, held: int) -> None:
-    out = [json.dumps({"text": json.loads(x)["response"]}, ensure_ascii=False) + "\n"
-           for x in _rows(src)[held:]]
+def corpus(src: str, dst: str, held: int, disjoint: bool = False) -> None:
+    rows = _rows(src)
+    held_prompts = {json.loads(x)["prompt_id"] for x in rows[:held]} if disjoint else set()
+    out = [json.dumps({"text": r["response"]}, ensure_ascii=False) + "\n"
+           for r in map(json.loads, rows[held:]) if r["prompt_id"] not in held_prompts]
     _write(dst, out)
     print(f"corpus: {len(out)} responses -> {dst}")
 
@@ -90,9 +103,9 @@ def mix(data: str, greedy: str, dst: str, held: int) -> None:
 if __name__ == "__main__":
     cmd, *a = sys.argv[1:] or [""]
     if cmd == "prefix":
-        prefix(a[0], a[1], int(float(a[2])), int(a[3]))
+        prefix(a[0], a[1], int(float(a[2])), int(a[3]), "--disjoint" in a[4:])
     elif cmd == "corpus":
-        corpus(a[0], a[1], int(a[2]))
+        corpus(a[0], a[1], int(a[2]), "--disjoint" in a[3:])
     elif cmd == "prompts":
         prompts(a[0], a[1], int(a[2]) if len(a) > 2 else 0)
     elif cmd == "mix":

@@ -29,14 +29,17 @@ SIZE=${SIZE:-16384}
 EVAL_EVERY=${EVAL_EVERY:-0}   # optimizer steps between held-out scores (the curve in steps); 0 = per epoch
 RESULTS=${RESULTS:-bench/results/head_demo}
 INIT=${INIT:-}                # a trained head to continue from (a warm restart); default: the pipeline's init head
+DISJOINT=${DISJOINT:-0}       # 1: no training row (or table text) shares a prompt with a held-out row
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
 max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
-[[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD"
+[[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD" \
+    $( ((DISJOINT)) && echo --disjoint )
 TABLE=$OUT/table/en-$SIZE.pt
 if [[ ! -f $TABLE ]]; then
-    "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD"
+    "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD" \
+        $( ((DISJOINT)) && echo --disjoint )
     "$BIN/fastmtp" build-vocab --tokenizer "$T" --lang en --size "$SIZE" \
         --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
 fi
