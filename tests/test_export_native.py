@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
+from sglang_cpu import extend, sglang_on_cpu
 
 from fastmtp_sglang.core import export_native as ex
 from fastmtp_sglang.core.convert import change_layout, convert
@@ -340,39 +341,8 @@ def test_refuses_an_existing_output(mimo_ckpt, mimo_head, tmp_path, run_cli):
 
 @pytest.fixture(scope="module")
 def sgl():
-    pytest.importorskip("sglang")
-    import socket
-
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.models.mimo_mtp import MiMoMTP
-    from sglang.srt.runtime_context import reset_context
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ours = not parallel_state.model_parallel_is_initialized()  # another module may hold it
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rotary_base, "_is_cpu", True)  # else the rotary layer imports a vLLM op
-        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            mp.delenv(k, raising=False)
-        init_single_process_dist(master_port=port, backend="gloo")
-        yield SimpleNamespace(
-            MiMoMTP=MiMoMTP, ReqToTokenPool=ReqToTokenPool, MHATokenToKVPool=MHATokenToKVPool,
-            TorchNativeAttnBackend=TorchNativeAttnBackend, ForwardBatch=ForwardBatch,
-            ForwardMode=ForwardMode, CaptureHiddenMode=CaptureHiddenMode,
-            ForwardContext=ForwardContext, forward_context=forward_context,
-            weights=safetensors_weights_iterator)
-        if ours:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
-            reset_context()
+    with sglang_on_cpu(MiMoMTP="mimo_mtp:MiMoMTP") as ns:
+        yield ns
 
 
 # what MiMo checkpoints ship so that transformers reads model_type "mimo" (remote code): a Qwen2
@@ -416,36 +386,10 @@ def sglang_mimo(sgl, out, embed_w, lm_w):
 
 
 def sglang_extend(sgl, model, cfg, ids: list[torch.Tensor], hidden: torch.Tensor):
-    """One EXTEND pass of fresh requests through SGLang's CPU KV pool (row 0 is padding)."""
-    n = [len(x) for x in ids]
-    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
-    req_pool = sgl.ReqToTokenPool(size=len(n), max_context_len=32, device="cpu",
-                                  enable_memory_saver=False)
-    kv_pool = sgl.MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32,
-                                   head_num=cfg["num_key_value_heads"], head_dim=hd, layer_num=1,
-                                   device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    backend = sgl.TorchNativeAttnBackend(SimpleNamespace(
-        device="cpu", req_to_token_pool=req_pool, token_to_kv_pool=kv_pool))
-    rows = torch.arange(1, len(n) + 1)
-    slots, start = [], 1
-    for r, k in enumerate(n):
-        s = torch.arange(start, start + k)
-        start += k
-        req_pool.req_to_token[rows[r], :k] = s.to(torch.int32)
-        slots.append(s)
-    seq_lens = torch.tensor(n)
-    fb = sgl.ForwardBatch(
-        forward_mode=sgl.ForwardMode.EXTEND, capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
-        batch_size=len(n), input_ids=torch.cat(ids), req_pool_indices=rows, seq_lens=seq_lens,
-        seq_lens_cpu=seq_lens, seq_lens_sum=int(seq_lens.sum()), out_cache_loc=torch.cat(slots),
-        positions=torch.cat([torch.arange(k) for k in n]),
-        spec_info=SimpleNamespace(hidden_states=hidden),
-        extend_num_tokens=sum(n), extend_seq_lens=seq_lens, extend_prefix_lens=torch.zeros_like(seq_lens),
-        extend_start_loc=torch.tensor([0] + n[:-1]).cumsum(0), extend_seq_lens_cpu=n,
-        extend_prefix_lens_cpu=[0] * len(n))
-    backend.init_forward_metadata(fb)
-    with torch.no_grad(), sgl.forward_context(sgl.ForwardContext(attn_backend=backend), forward_batch=fb):
-        return model(fb.input_ids, fb.positions, fb)
+    """One EXTEND pass of fresh requests through SGLang's CPU KV pool, the draft's input
+    hidden states beside them."""
+    return extend(sgl, model, ids, cfg["num_key_value_heads"],
+                  cfg["hidden_size"] // cfg["num_attention_heads"], 1, hidden)
 
 
 def head_reference(head_dir, embed_w, lm_w, ids, hidden):

@@ -11,51 +11,21 @@ instead, and the post-norm state is not among them.
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+import sglang_cpu
+from sglang_cpu import sglang_on_cpu
 
 pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
 def sgl():
-    pytest.importorskip("sglang")
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
-                                                              ForwardMode)
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.runtime_context import reset_context
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ours = not parallel_state.model_parallel_is_initialized()  # another module may hold it
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rotary_base, "_is_cpu", True)  # else the rotary layer imports a vLLM op
-        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            mp.delenv(k, raising=False)
-        init_single_process_dist(master_port=port, backend="gloo")
-        yield SimpleNamespace(
-            ModelConfig=ModelConfig, LlamaForCausalLM=LlamaForCausalLM,
-            ReqToTokenPool=ReqToTokenPool, MHATokenToKVPool=MHATokenToKVPool,
-            TorchNativeAttnBackend=TorchNativeAttnBackend, ForwardBatch=ForwardBatch,
-            ForwardMode=ForwardMode, CaptureHiddenMode=CaptureHiddenMode,
-            ForwardContext=ForwardContext, forward_context=forward_context,
-            weights=safetensors_weights_iterator)
-        if ours:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
-            reset_context()
+    with sglang_on_cpu(LlamaForCausalLM="llama:LlamaForCausalLM") as ns:
+        yield ns
 
 
 def sglang_llama(sgl, path):
@@ -66,38 +36,9 @@ def sglang_llama(sgl, path):
 
 
 def extend(sgl, model, hf, ids: list[torch.Tensor]):
-    """One EXTEND of fresh requests through SGLang's CPU KV pool (row 0 is padding), capturing
-    every position's hidden state."""
-    n = [len(x) for x in ids]
-    req_pool = sgl.ReqToTokenPool(size=len(n), max_context_len=64, device="cpu",
-                                  enable_memory_saver=False)
-    kv_pool = sgl.MHATokenToKVPool(size=128, page_size=1, dtype=torch.float32,
-                                   head_num=hf.num_key_value_heads, head_dim=hf.head_dim,
-                                   layer_num=hf.num_hidden_layers, device="cpu",
-                                   enable_memory_saver=False, enable_alt_stream=False)
-    backend = sgl.TorchNativeAttnBackend(SimpleNamespace(
-        device="cpu", req_to_token_pool=req_pool, token_to_kv_pool=kv_pool))
-    rows = torch.arange(1, len(n) + 1)
-    slots, start = [], 1
-    for r, k in enumerate(n):
-        s = torch.arange(start, start + k)
-        start += k
-        req_pool.req_to_token[rows[r], :k] = s.to(torch.int32)
-        slots.append(s)
-    seq_lens = torch.tensor(n)
-    fb = sgl.ForwardBatch(
-        forward_mode=sgl.ForwardMode.EXTEND, capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
-        batch_size=len(n), input_ids=torch.cat(ids), req_pool_indices=rows, seq_lens=seq_lens,
-        seq_lens_cpu=seq_lens, seq_lens_sum=int(seq_lens.sum()), out_cache_loc=torch.cat(slots),
-        positions=torch.cat([torch.arange(k) for k in n]),
-        extend_num_tokens=sum(n), extend_seq_lens=seq_lens,
-        extend_prefix_lens=torch.zeros_like(seq_lens),
-        extend_start_loc=torch.tensor([0] + n[:-1]).cumsum(0), extend_seq_lens_cpu=n,
-        extend_prefix_lens_cpu=[0] * len(n))
-    backend.init_forward_metadata(fb)
-    with torch.no_grad(), sgl.forward_context(sgl.ForwardContext(attn_backend=backend),
-                                              forward_batch=fb):
-        return model(fb.input_ids, fb.positions, fb)
+    """One EXTEND of fresh requests, capturing every position's hidden state."""
+    return sglang_cpu.extend(sgl, model, ids, hf.num_key_value_heads, hf.head_dim,
+                             hf.num_hidden_layers)
 
 
 @pytest.fixture(scope="module")
