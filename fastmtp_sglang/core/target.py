@@ -66,7 +66,7 @@ def read_target_config(path: str | Path) -> dict[str, Any]:
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                 tokenizer: bool = True) -> Target:
     """Load a transformers causal LM and its tokenizer from a local directory (no downloads)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
@@ -83,13 +83,17 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
         raise FastMTPError(f"target {path} ({type(model).__name__}) is not a Llama/Qwen2-family "
                            "decoder (needs model.layers and model.norm)")
-    tok = None
-    if tokenizer:
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise FastMTPError(f"cannot load the tokenizer of {path}: {exc}") from None
+    tok = _tokenizer(path) if tokenizer else None
     return Target(model, tok, cfg, cfg.get("_name_or_path") or path.name)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FastMTPError(f"cannot load the tokenizer of {path}: {exc}") from None
 
 
 class _EmbedAndHead(torch.nn.Module):
@@ -145,14 +149,7 @@ def load_embed_and_head(path: str | Path, dtype: str | torch.dtype = "float32", 
     head = torch.nn.Linear(w_embed.shape[1], w_embed.shape[0], bias=False, device="meta")
     tied = head_name is None or cfg.get("tie_word_embeddings", False)
     head.weight = embed.weight if tied else torch.nn.Parameter(read(head_name), requires_grad=False)
-    tok = None
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise FastMTPError(f"cannot load the tokenizer of {path}: {exc}") from None
+    tok = _tokenizer(path) if tokenizer else None
     return Target(_EmbedAndHead(embed, head).eval(), tok, cfg, cfg.get("_name_or_path") or path.name)
 
 
