@@ -297,20 +297,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, S, H] -> rotated q [B, n_heads, S, D], rotated k and v [B, n_kv, S, D]."""
+    def _q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H] -> rotated q [B, n_heads, S, D]."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, H] -> rotated k and v [B, n_kv, S, D]."""
+        b, s, _ = x.shape
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return k * cos + _rotate_half(k) * sin, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, cache: HeadKVCache | None,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
+        q, (k, v) = self._q(x, cos, sin), self._kv(x, cos, sin)
         rep = self.n_heads // self.n_kv
         if cache is not None:
             cache.write(positions, k, v)
@@ -347,16 +353,11 @@ class Attention(nn.Module):
         [B, n_kv, S, D].
         """
         b = x.shape[0]
-        xq, cq, sq = x, cos, sin
+        k, v = self._kv(x, cos, sin)
         if queries is not None:
-            xq, cq, sq = (_rows(t, queries) for t in (x, cos, sin))
-        a = xq.shape[1]
-        cos, sin, cq, sq = cos.unsqueeze(1), sin.unsqueeze(1), cq.unsqueeze(1), sq.unsqueeze(1)
-        q = self.q_proj(xq).view(b, a, self.n_heads, self.head_dim).transpose(1, 2)
-        q = q * cq + _rotate_half(q) * sq
-        k = self.k_proj(x).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)
-        k = k * cos + _rotate_half(k) * sin
+            x, cos, sin = (rows_at(t, queries) for t in (x, cos, sin))
+        a = x.shape[1]
+        q = self._q(x, cos, sin)
         keys = torch.cat([pk for pk, _ in past] + [k], dim=2) if past else k
         vals = torch.cat([pv for _, pv in past] + [v], dim=2) if past else v
         rep = self.n_heads // self.n_kv
@@ -367,7 +368,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, a, -1)), (k, v)
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, S, ...] -> x[b, index[b, a]] as [B, A, ...]."""
     b = torch.arange(x.shape[0], device=x.device)[:, None]
     return x[b, index]
@@ -402,7 +403,7 @@ class DecoderLayer(nn.Module):
 
     def forward_train(self, x, cos, sin, past, mask, queries=None):
         a, kv = self.self_attn.forward_train(self.input_layernorm(x), cos, sin, past, mask, queries)
-        x = (x if queries is None else _rows(x, queries)) + a
+        x = (x if queries is None else rows_at(x, queries)) + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmtp_sglang.core.errors import FastMTPError
-from fastmtp_sglang.core.head import FastMTPHead
+from fastmtp_sglang.core.head import FastMTPHead, rows_at
 from fastmtp_sglang.training.config import ATTENTIONS
 from fastmtp_sglang.training.data import Batch, Example, HiddenStates, collate
 from fastmtp_sglang.training.fused_loss import projected_loss
@@ -55,9 +55,7 @@ def anchors(prompt_lens: torch.Tensor, lengths: torch.Tensor, steps: int, t: int
 
 def at(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """x [B, T, ...] at the anchors ``index`` [B, A] -> [B, A, ...]; x itself when index is None."""
-    if index is None:
-        return x
-    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
+    return x if index is None else rows_at(x, index)
 
 
 def unroll(head: FastMTPHead, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
