@@ -96,6 +96,11 @@ def test_rounds_stop_when_settled_and_the_budget_stops_a_noisy_run():
                        budget_s=120, clock=noisy.clock)
     assert res.stopped == "time budget" and res.rounds < 50
     assert not all(v.settled(0.001) for v in res.verdicts.values())
+    # a budget spent inside the first round still runs the rounds asked for at least
+    res = sandwich.run(noisy.run_block, list(TRUE), "0", bound=0.001, min_rounds=3, max_rounds=50,
+                       budget_s=1e-9, clock=noisy.clock)
+    assert res.stopped == "time budget" and res.rounds == 3
+    assert all(len(v.kept) + len(v.flagged) == 3 for v in res.verdicts.values())
 
 
 def test_schedule_sandwiches_every_arm_and_rotates():

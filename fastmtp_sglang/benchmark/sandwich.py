@@ -150,8 +150,9 @@ def run(run_block: Callable[[str, int], tuple[int, float]], arms: list[str], bas
         budget_s: float | None = None, burst: float = 0.10,
         clock: Callable[[], float] = time.perf_counter,
         on_block: Callable[[Block], None] | None = None) -> SandwichRun:
-    """Run sandwiched rounds until every arm is settled (half-width <= ``bound``, after at
-    least ``min_rounds``), ``budget_s`` of the clock has passed, or ``max_rounds`` ran.
+    """Run sandwiched rounds until every arm is settled (half-width <= ``bound``), ``budget_s``
+    of the clock has passed, or ``max_rounds`` ran; never fewer than ``min_rounds`` (a budget
+    spent before them waits for them: one or two ratios an arm say nothing of their spread).
     ``run_block(arm, round) -> (tokens, seconds)`` runs one block."""
     if baseline not in arms:
         raise ValueError(f"the baseline {baseline!r} must be one of the arms {arms}")
@@ -180,7 +181,7 @@ def run(run_block: Callable[[str, int], tuple[int, float]], arms: list[str], bas
         if rnd >= min_rounds and verdicts and all(v.settled(bound) for v in verdicts.values()):
             stopped = "settled"
             break
-        if budget_s is not None and clock() - t0 >= budget_s:
+        if budget_s is not None and rnd >= min_rounds and clock() - t0 >= budget_s:
             stopped = "time budget"
             break
     return SandwichRun(blocks, rs, verdicts, rnd, stopped)

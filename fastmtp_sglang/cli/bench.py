@@ -226,7 +226,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-rounds", type=int, default=3, help="--schedule sandwich: rounds at least")
     p.add_argument("--max-rounds", type=int, default=12, help="--schedule sandwich: rounds at most")
     p.add_argument("--level-budget", type=float, default=None, help="--schedule sandwich: seconds a "
-                   "level may take before it stops unsettled (default: no limit)")
+                   "level may take before it stops unsettled, after --min-rounds at least (default: no limit)")
     p.add_argument("--emit-engine-config", action="store_true", help="--concurrency: also write "
                    "the K-per-batch-size tables this run measured, for SGLang "
                    "(--speculative-adaptive-config) and vLLM (num_speculative_tokens_per_batch_size)")
