@@ -29,6 +29,7 @@ the same key, and the directory is renamed to NAME only when complete.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -185,12 +186,15 @@ def _trim_heap() -> None:
 
 
 def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tokens: int = 8192,
-                   progress: bool = True, log=None) -> FeatureStore:
+                   progress: bool = True, log=None, share_prompts: bool = True) -> FeatureStore:
     """Run the target over ``examples`` (data.Example list) and write the cache at ``out``.
 
     Sequences are run in batches of similar length (sorted, right-padded, at most
     ``batch_tokens`` padded tokens): a batch of short sequences costs one forward instead of
-    many. Returns the opened store. Resumes a partial build with the same key.
+    many. Sequences that share their prompt (``fastmtp distill --n``: n samples of one prompt)
+    run the prompt once and their responses on its KV cache (:func:`shared_prompt_groups`;
+    ``share_prompts=False`` runs every sequence whole). Returns the opened store. Resumes a
+    partial build with the same key.
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -256,10 +260,73 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                                 "rows": {str(i): loc for i, loc in enumerate(rows) if loc is not None}})
         buf_rows, filled = [], 0
 
+    def states(h: torch.Tensor) -> tuple:
+        """(states [n, width], top-k ids, top-k log-probabilities) of n positions; the top-k of
+        the log-softmax are the top-k logits less their logsumexp: no [n, V] log-softmax."""
+        if not key.topk:
+            return h, None, None
+        z = target.lm_head(h[:, -H:]).float()
+        top = z.topk(key.topk, dim=-1)
+        return h, top.indices, top.values - torch.logsumexp(z, dim=-1, keepdim=True)
+
+    def stage(r: int, parts: list[tuple]) -> None:
+        """Row r's positions (``states()`` of its pieces, in order) into the shard buffer."""
+        nonlocal filled
+        n = len(examples[r].ids)
+        if filled and filled + n > cap:
+            flush()
+        at = filled
+        for h, top_ids, top_lp in parts:
+            buf_h[at:at + len(h)] = h
+            if key.topk:
+                buf_ids[at:at + len(h)] = top_ids
+                buf_lp[at:at + len(h)] = top_lp
+            at += len(h)
+        if at != filled + n:
+            raise AssertionError(f"row {r}: {at - filled} states for {n} tokens")
+        buf_rows.append((r, filled, n))
+        filled += n
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None = None, cache=None, keep: bool = False):
+        """(head input [B, S, width], the KV cache when ``keep`` or continuing ``cache``)."""
+        out = model.model(input_ids=ids.to(device),
+                          attention_mask=None if mask is None else mask.to(device),
+                          past_key_values=cache, use_cache=keep or cache is not None,
+                          output_hidden_states=bool(aux))
+        return head_input(out, aux), out.past_key_values
+
+    shared, todo = shared_prompt_groups(examples, todo) if share_prompts else ([], todo)
+    if shared:
+        saved = sum((len(g) - 1) * examples[g[0]].prompt_len for g in shared)
+        log(f"features: {sum(map(len, shared))} sequences share {len(shared)} prompts; each prompt "
+            f"runs once ({saved / max(total_tokens, 1):.0%} of the tokens not recomputed)")
     t0 = time.perf_counter()
     groups = 0
     with torch.no_grad(), tqdm(total=total_tokens, unit="tok", desc="features", disable=not progress,
                                dynamic_ncols=True, file=sys.stderr) as bar:
+        for group in shared:  # one prompt, then its responses on the prompt's KV cache
+            p = examples[group[0]].prompt_len
+            hp, prompt_cache = forward(examples[group[0]].ids[:p][None], keep=True)
+            prompt_part = states(hp[0])
+            for sub in response_batches(examples, group, batch_tokens):
+                T = max(len(examples[r].ids) - p for r in sub)
+                ids = torch.zeros(len(sub), T, dtype=torch.long)
+                mask = torch.zeros(len(sub), p + T, dtype=torch.long)
+                mask[:, :p] = 1
+                for b, r in enumerate(sub):
+                    n = len(examples[r].ids) - p
+                    ids[b, :n] = examples[r].ids[p:]
+                    mask[b, p:p + n] = 1
+                cache = copy.deepcopy(prompt_cache)  # the forward appends to it
+                cache.batch_repeat_interleave(len(sub))
+                hr, _ = forward(ids, mask, cache)
+                del cache
+                for b, r in enumerate(sub):
+                    stage(r, [prompt_part, states(hr[b, :len(examples[r].ids) - p])])
+                    bar.update(len(examples[r].ids))
+                groups += 1
+                if groups % 16 == 0:
+                    _trim_heap()
         i = 0
         while i < len(todo):
             # a batch of similar lengths: sorted order, bounded padded size
@@ -275,28 +342,13 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                 n = len(examples[r].ids)
                 ids[b, :n] = examples[r].ids
                 mask[b, :n] = 1
-            hs = head_input(model.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                        output_hidden_states=bool(aux)), aux)
+            hs, _ = forward(ids, mask)
             groups += 1
             if groups % 16 == 0:
                 _trim_heap()
             for b, r in enumerate(group):
-                n = len(examples[r].ids)
-                h = hs[b, :n]
-                if filled and filled + n > cap:
-                    flush()
-                buf_h[filled:filled + n] = h
-                if key.topk:
-                    # the top-k of the log-softmax are the top-k logits less their logsumexp:
-                    # no [n, V] log-softmax is written
-                    z = target.lm_head(h[:, -H:]).float()
-                    top = z.topk(key.topk, dim=-1)
-                    buf_ids[filled:filled + n] = top.indices
-                    buf_lp[filled:filled + n] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)
-                    del z, top
-                buf_rows.append((r, filled, n))
-                filled += n
-                bar.update(n)
+                stage(r, [states(hs[b, :len(examples[r].ids)])])
+                bar.update(len(examples[r].ids))
         flush()
     index = {"format": FORMAT, "key": asdict(key), "hidden_size": H, "width": width,
              "shards": done_shards,
@@ -309,6 +361,42 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     log(f"features: {index['tokens']} tokens of {len(rows)} sequences in {out} "
         f"({store.nbytes / 2**20:.0f} MiB, {index['build_seconds']} s)")
     return store
+
+
+def shared_prompt_groups(examples, todo: list[int], min_group: int = 2,
+                         min_prompt: int = 8) -> tuple[list[list[int]], list[int]]:
+    """Split the rows ``todo`` into groups that share a prompt (the same prompt ids, at least
+    ``min_group`` rows, a prompt of at least ``min_prompt`` tokens: shorter ones save less than
+    a batch of their own costs) and the rest, in ``todo``'s order."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for r in todo:
+        e = examples[r]
+        by_prompt.setdefault(tuple(e.ids[:e.prompt_len].tolist()), []).append(r)
+    groups = [g for pr, g in by_prompt.items() if len(g) >= min_group and len(pr) >= min_prompt]
+    in_group = {r for g in groups for r in g}
+    return groups, [r for r in todo if r not in in_group]
+
+
+def response_batches(examples, group: list[int], batch_tokens: int,
+                     waste: float = 0.25) -> list[list[int]]:
+    """The responses of one prompt group as right-padded batches: sorted by length, a batch cut
+    where padding would pass ``waste`` of its tokens or its padded size ``batch_tokens``."""
+    p = examples[group[0]].prompt_len
+    rows = sorted(group, key=lambda r: len(examples[r].ids))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for r in rows:
+        n = len(examples[r].ids) - p
+        cand = cur + [r]
+        real = sum(len(examples[x].ids) - p for x in cand)
+        padded = len(cand) * n  # sorted: r is the longest so far
+        if cur and (padded > batch_tokens or padded - real > waste * padded):
+            out.append(cur)
+            cand = [r]
+        cur = cand
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
