@@ -20,7 +20,7 @@
 # between two K=0 blocks, rounds until every ratio over K=0 is known to BOUND, default 0.02, or
 # LEVEL_BUDGET seconds a level, default 600, are spent after 3 rounds at least; BLOCK requests a
 # block, default 8: ~20 s at one client on a 2-core AMD EPYC; `levels`: whole levels, REPEATS
-# times). vLLM's K-per-batch-size table (step a) comes from whole levels, one repeat, always.
+# times; vLLM's table step then runs one repeat).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHAT=${1:-all}
@@ -55,8 +55,10 @@ if [[ $WHAT == vllm || $WHAT == all ]]; then
     fi
     V=(env PYTHONPATH="$PWD" PYTHON="$VLLM_PYTHON" TARGET="$T"
        DRAFT="$PWD/$D" LIMIT="${VLLM_LIMIT:-$LIMIT}" TOKENS="$TOKENS" CONCURRENCY="$LEVELS")
-    # a. vLLM's own K per batch size: its static arms, one repeat, the table written from them
-    "${V[@]}" REPEATS=1 EMIT=1 PER_CLIENT=5 bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
+    # a. vLLM's own K per batch size: its static arms, the table written from them (sandwiched
+    #    like step b: one repeat of whole levels misread K=1 at one client as 0.85x, 1.03x in b)
+    "${V[@]}" REPEATS=1 EMIT=1 PER_CLIENT="$PER_CLIENT" BENCH_ARGS="${SCHED[*]}" \
+        bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm/table 1,3
     # b. the run: K=0, 1, 3 and vLLM serving that table (arm auto), side by side
     "${V[@]}" REPEATS="$REPEATS" PER_CLIENT="$PER_CLIENT" BENCH_ARGS="${SCHED[*]}" AUTO_TABLE=bench/results/concurrency_vllm/table/vllm_k_per_batch_size.json \
         bash bench/pipelines/vllm_serve_bench.sh bench/results/concurrency_vllm 1,3
