@@ -71,21 +71,28 @@ def test_stale_cache_is_refused_naming_what_changed(saved, tmp_path):
         FeatureStore(tmp_path)
 
 
+def interrupt_after_shards(monkeypatch, n: int):
+    """Make a feature build raise Ctrl-C's KeyboardInterrupt right after its n-th shard is
+    recorded in progress.json; returns the real writer (to put back)."""
+    calls = {"n": 0}
+    real = feat._write_json
+
+    def write(path, obj):
+        real(path, obj)
+        if path.name == "progress.json":
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+    monkeypatch.setattr(feat, "_write_json", write)
+    return real
+
+
 def test_interrupted_build_resumes_from_its_last_shard(saved, tmp_path, monkeypatch):
     t, tdir, data, _ = saved
     ex = _examples(t, data)
     key = make_key(t, tdir, data, 64, None, "float32", 0)
     monkeypatch.setattr(feat, "SHARD_TOKENS", 120)  # several shards
-    calls = {"n": 0}
-    real = feat._write_json
-
-    def crash_after_two(path, obj):
-        real(path, obj)
-        if path.name == "progress.json":
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise KeyboardInterrupt
-    monkeypatch.setattr(feat, "_write_json", crash_after_two)
+    real = interrupt_after_shards(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         build_features(t, ex, tmp_path / "f", key, batch_tokens=64, progress=False)
     assert not (tmp_path / "f").exists() and (tmp_path / ".f.partial" / "progress.json").is_file()

@@ -12,6 +12,7 @@ from fastmtp_sglang.training.data import load_examples
 from fastmtp_sglang.training.features import (build_features, make_key, response_batches,
                                               shared_prompt_groups)
 from test_engine import V, tiny_target
+from test_features import interrupt_after_shards
 
 
 def _data(path, seed=0):
@@ -68,15 +69,7 @@ def test_shared_build_resumes_across_shards(tmp_path, monkeypatch):
     key = make_key(t, tdir, data, 64, None, "float32", 0)
     ref = build_features(t, ex, tmp_path / "ref", key, progress=False, share_prompts=False)
     monkeypatch.setattr(feat, "SHARD_TOKENS", 90)
-    real, calls = feat._write_json, {"n": 0}
-
-    def stop_after_one(path, obj):
-        real(path, obj)
-        if path.name == "progress.json":
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise KeyboardInterrupt
-    monkeypatch.setattr(feat, "_write_json", stop_after_one)
+    real = interrupt_after_shards(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt):
         build_features(t, ex, tmp_path / "f", key, batch_tokens=64, progress=False)
     monkeypatch.setattr(feat, "_write_json", real)
