@@ -144,3 +144,4 @@ def test_the_concurrency_bench_reports_sandwiched_ratios_under_drift():
     assert "- concurrency 4: 3 rounds, settled at ±1.0%: 1 1.30" in md or \
         "- concurrency 4: 3 rounds, settled at ±1.0%: 1 1.29" in md
     assert "auto against the best static arm" in md and "| 4 | 2 | 1.50x | 1.40x |" in md
+    assert "rounds of sandwiched blocks" in md and "paired within a repeat" not in md

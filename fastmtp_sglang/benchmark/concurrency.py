@@ -418,15 +418,20 @@ def sandwich_markdown(table: dict[str, dict[str, Any]], notes: dict[str, dict]) 
 def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     sandwiched = sandwich_markdown(table, meta.get("sandwich") or {})
     arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
+    if sandwiched:  # (--repeats is not used: a level runs rounds of blocks)
+        unit, how = ("rounds of sandwiched blocks (below)",
+                     "median over its blocks; speedup over K=0: the sandwiched ratio, mean of the kept rounds")
+    else:
+        unit, how = (f"{meta.get('repeats', '?')} repeats",
+                     "speedup over K=0 at the same concurrency, paired within a repeat")
     lines = [f"# Throughput across concurrency: {meta.get('label', '')}", "",
              f"- command: `{meta.get('command', '')}`",
              f"- CPU: {meta.get('cpu', '')}",
              f"- engine: {meta.get('engine', '')}",
-             f"- {meta.get('prompts', '?')} prompts, {_requests(table, meta)} requests per level and arm "
-             f"(at least {meta.get('per_client', 2)} per client), {meta.get('repeats', '?')} repeats, "
-             f"{meta.get('max_new_tokens', '?')} new tokens",
-             "", "Server output tokens/s (speedup over K=0 at the same concurrency, paired within "
-             "a repeat):", "",
+             f"- {meta.get('prompts', '?')} prompts, {_requests(table, meta)} requests per "
+             f"{'block' if sandwiched else 'level and arm'} (at least {meta.get('per_client', 2)} "
+             f"per client), {unit}, {meta.get('max_new_tokens', '?')} new tokens",
+             "", f"Server output tokens/s ({how}):", "",
              "| concurrency | " + " | ".join(arms) + " |",
              "|---:|" + "---:|" * len(arms)]
     for lv in sorted(table, key=int):
