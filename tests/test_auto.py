@@ -414,6 +414,76 @@ def test_a_catch_up_is_priced_at_what_catch_ups_took():
     assert due_after is None or due_after > 1.2 * due_before
 
 
+def test_a_catch_up_is_spread_over_the_cycles_left():
+    """After a run of cycles without the head, its catch-up is paid once and buys the head back
+    for the cycles the rows have left: spread over those, a head worth drafting is chosen again
+    however long it sat out; charged whole to one cycle (``left`` = 1) it is not, and the longer
+    the run the surer (auto then drafted almost only with prompt lookup at 2-4 clients while the
+    head at K=1 was the best arm). A probe still pays the catch-up whole."""
+    costs = StepCosts({1: 40.0, 2: 42.0, 4: 45.0}, draft_step=5.0, extend=2.0,
+                      extend_by_n={1: 2.0, 4: 4.0})       # ~0.67 ms a further position
+    auto = AutoK(costs, 3, calibrate=False)
+    rows = [[0.45] * 3] * 2                               # the head's step-1 acceptance at 2 rows
+    assert auto.choose(rows, 0) >= 1                      # caught up: the head pays
+    z = 120                                               # ~80 ms of catch-up
+    assert auto.choose(rows, 0, deferred=z) == 0          # charged whole (left = 1): K=0
+    assert auto.choose(rows, 0, deferred=z, left=200) >= 1  # spread over 200 cycles: the head
+    assert auto.choose(rows, 0, deferred=z, left=4) == 0  # a few tokens left: not worth it
+    lookups = [([0.1] * 3, 1)] * 2                        # one-token, weak prompt-lookup proposals
+    k, use = auto.choose_hybrid(rows, lookups, 0, deferred=z)
+    assert k == 0 or all(use)                             # whole: never the head
+    k, use = auto.choose_hybrid(rows, lookups, 0, deferred=z, left=200)
+    assert k >= 1 and not any(use)                        # spread: the head for both rows
+    # the share: the catch-up times the rows' tokens a cycle over the cycles left, at most whole
+    whole = auto.catch_up_ms(z, 2)
+    assert auto._head_share(0.0, z, 2, 200, 1.5) == pytest.approx(whole * 1.5 / 200)
+    assert auto._head_share(0.0, z, 2, 1, 1.5) == pytest.approx(whole)
+    assert auto._head_share(3.0, 0, 2, 200, 2.0) == pytest.approx(6.0)  # the prompts' share alone
+    # a probe pays it whole: after z cycles at K=0 a head at 10% is not probed at once
+    assert not auto.probe_due([[0.1] * 3] * 2, zero_run=8, deferred=z)
+
+
+def test_the_engine_spreads_catch_ups_over_the_budget_left(llama):
+    """The engine tells the controller the cycles its rows have left (the median of their
+    remaining budgets), and the output stays the target's."""
+    t, head, _ = llama
+    eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False))
+    seen = []
+    choose = eng.auto.choose
+    eng.auto.choose = lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw["left"]) or choose(*a, **kw)
+    reqs = [Request([1, 5, 7, 9, 11], SamplingParams(max_new_tokens=12)),
+            Request([3, 4], SamplingParams(max_new_tokens=20))]
+    res = eng.generate(reqs)
+    assert seen[0] == pytest.approx(((12 - 1) + (20 - 1)) / 2)  # after the prefill's token
+    assert all(n >= 1 for n in seen)
+    assert [r.output_ids for r in res] == [greedy_reference(t, r.input_ids, r.params.max_new_tokens)
+                                          for r in reqs]
+
+
+def test_an_estimate_left_unobserved_moves_back_towards_the_shared_one():
+    """A row stops drafting with a source after a few misses; its estimate then no longer
+    moves, so without relaxing it would stay low for the rest of the request (the rows' head
+    estimates sat at 0.1-0.3 at 2 clients with a head at ~0.4). Each cycle that does not observe
+    the source moves it ``relax`` of the way back to the shared one, so the row drafts again."""
+    costs = StepCosts({1: 40.0, 2: 42.0, 4: 45.0}, draft_step=5.0, extend=2.0)
+    auto = AutoK(costs, 3, calibrate=False, prior=0.45, shared_alpha=0.0)
+    est = auto.new_estimate()
+    for _ in range(3):
+        auto.update(est, 1, 0)                            # three misses in a row
+    assert est[0] == pytest.approx(0.45 * 0.8 ** 3) and auto.choose([est], 0) == 0
+    n = next(n for n in range(1, 100) if auto.relax_estimate(est) or auto.choose([est], 0) > 0)
+    assert 3 <= n <= 20 and est[0] < 0.45                 # back to drafting after some cycles
+    auto.relax_estimate(est, "lookup4")                   # a source nobody measured: unchanged
+    frozen = AutoK(costs, 3, calibrate=False, prior=0.45, shared_alpha=0.0, relax=0.0)
+    low = frozen.new_estimate()
+    frozen.update(low, 1, 0)
+    for _ in range(100):
+        frozen.relax_estimate(low)
+    assert low[0] == pytest.approx(0.36)
+    with pytest.raises(ValueError, match="relax"):
+        AutoK(costs, 3, relax=1.5)
+
+
 def test_the_engine_reports_its_catch_ups(llama):
     t, head, _ = llama
     eng = ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=True))

@@ -162,20 +162,24 @@ class AutoK:
         estimate is noisy, and K=0 is the arm that cannot lose to plain decoding)
     row_margin : and this much more per row beyond the first (:meth:`margin_at`): what a
         drafting cycle costs a continuous batch beyond its own time grows with the rows
+    relax : how far a row's estimate of a source moves back towards the shared one in each cycle
+        that does not observe it (:meth:`relax_estimate`)
     """
 
     CALIB_WINDOW = 15  # cycles per (K, batch class) whose median ratio calibrates the curve
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
                  probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
-                 margin: float = 0.03, probe_budget: float = 0.02, row_margin: float = 0.01):
+                 margin: float = 0.03, probe_budget: float = 0.02, row_margin: float = 0.01,
+                 relax: float = 0.05):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
                 and probe_every >= 1 and 0.0 <= margin < 1.0 and probe_budget > 0.0
-                and 0.0 <= row_margin < 1.0):
+                and 0.0 <= row_margin < 1.0 and 0.0 <= relax <= 1.0):
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
-                             "margin in [0, 1), probe_budget > 0, row_margin in [0, 1)")
+                             "margin in [0, 1), probe_budget > 0, row_margin in [0, 1), relax in [0, 1]")
+        self.relax = relax
         self.margin, self.probe_budget, self.row_margin = margin, probe_budget, row_margin
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
@@ -210,6 +214,24 @@ class AutoK:
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
             self._observe(shared, k, accepted, self.shared_alpha)
+
+    def relax_estimate(self, est: list[float], source: str = "head") -> None:
+        """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
+        the row's estimate moves ``relax`` of the way back towards the shared one.
+
+        A row's estimate moves only while its source drafts, and a source drafts only while its
+        estimate is high: after a few misses in a row (at alpha 0.2, three misses take 0.45 to
+        0.23) the row stops drafting with it and the estimate stays low for the rest of the
+        request, whatever the source would do now. Over many rows that biases the estimates
+        low: at 2 clients the rows' head estimates sat at 0.1-0.3 while the head's step-1
+        acceptance was ~0.4, and auto drafted with it in a third of its cycles where the head
+        at K=1 was the best arm (AMD EPYC, 2026-12-03, design 6.7). Relaxed, a row that has
+        sat out ~14 cycles is half-way back to what all rows measure, and drafts with the source
+        again if that pays; a row where it really misses falls back at the next miss."""
+        shared = self.shared.get(source)
+        if shared is not None and self.relax:
+            for j, s in enumerate(shared):
+                est[j] += self.relax * (s - est[j])
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float) -> None:
@@ -350,11 +372,32 @@ class AutoK:
         the same arm kept at K=0 from 9 rows made 0.98x."""
         return self.margin + self.row_margin * (max(int(batch), 1) - 1)
 
-    def best(self, ests: list[list[float]], deferred: int = 0, once: float = 0.0) -> int:
-        """The K with the most expected tokens per ms for rows with these estimates."""
+    def _head_share(self, once: float, deferred: int, batch: int, left: float,
+                    tokens_per_row: float) -> float:
+        """What a head cycle pays beyond its own calls, at ``tokens_per_row``: its share of the
+        head's first reading of prompts (``once``, :meth:`_once_at`) and of the catch-up over
+        the ``deferred`` positions of cycles without the head.
+
+        The catch-up is paid once, by the next cycle that drafts with the head, but it buys the
+        head back for the cycles the rows have left (``left`` at one token a cycle; fewer at more
+        tokens a row), so it is spread over those, as the prompt reading is; ``left`` = 1 charges
+        it whole to the one cycle. Charged whole, it grew with every cycle that went without the
+        head, so the longer the head sat out the dearer it looked: at 2-4 clients auto drafted
+        almost only with prompt lookup while the head at K=1 was the best arm (AMD EPYC,
+        2026-12-03, design 6.7). A probe still pays it whole (:meth:`probe_due`): it may learn
+        the head is not worth it, and then the catch-up bought nothing."""
+        share = self._once_at(once, tokens_per_row)
+        if deferred:
+            share += self.catch_up_ms(deferred, batch) * min(max(tokens_per_row, 1.0) / max(left, 1.0), 1.0)
+        return share
+
+    def best(self, ests: list[list[float]], deferred: int = 0, once: float = 0.0,
+             left: float = 1.0) -> int:
+        """The K with the most expected tokens per ms for rows with these estimates
+        (``deferred``, ``once``, ``left``: what a head cycle pays beyond its calls, :meth:`_head_share`)."""
         B = len(ests)
         tokens = [sum(expected_tokens(e, k) for e in ests) for k in range(self.kmax + 1)]
-        rate = [tokens[k] / self.cycle_ms(k, B, deferred=deferred, once=self._once_at(once, tokens[k] / B))
+        rate = [tokens[k] / self.cycle_ms(k, B, once=self._head_share(once, deferred, B, left, tokens[k] / B))
                 for k in range(self.kmax + 1)]
         rate[0] *= 1.0 + self.margin_at(len(ests))
         return max(range(self.kmax + 1), key=lambda k: (rate[k], -k))
@@ -402,7 +445,8 @@ class AutoK:
         return loss <= self.probe_budget * zero_run * plain
 
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
-                      zero_run: int, deferred: int = 0, once: float = 0.0) -> tuple[int, list[bool]]:
+                      zero_run: int, deferred: int = 0, once: float = 0.0,
+                      left: float = 1.0) -> tuple[int, list[bool]]:
         """Hybrid drafting: K, and for each row whether it drafts with prompt lookup.
 
         ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
@@ -410,7 +454,8 @@ class AutoK:
         source with more expected tokens (a proposal shorter than K is padded, so its extra
         positions count as misses); a cycle where no row uses the head costs its verify alone
         (the head's extend over its positions joins the catch-up of the next cycle that drafts
-        with the head, over ``deferred`` positions). A cycle may also go without the head while
+        with the head, over ``deferred`` positions, its price spread over the ``left`` cycles
+        the rows have: :meth:`_head_share`). A cycle may also go without the head while
         some rows have no proposal: those verify nothing (True in the returned list for every
         row; the engine knows a row without a proposal by its empty one). A cycle that runs the
         head also pays its share ``once`` of the head's first reading of prompts
@@ -428,8 +473,8 @@ class AutoK:
                 any_head |= not take
                 total += el if take else eh
             # without head steps: the verify only (no draft steps, no extend, no catch-up yet)
-            ms = self.cycle_ms(k, B, head_steps=any_head, deferred=deferred if any_head else 0,
-                               once=self._once_at(once, total / B))
+            ms = self.cycle_ms(k, B, head_steps=any_head,
+                               once=self._head_share(once, deferred, B, left, total / B))
             if total / ms > best[0]:
                 best = (total / ms, k, use)
             if any_head and any(els):
@@ -446,11 +491,13 @@ class AutoK:
                        for h, lk in zip(heads, lookups)]
         return k, use
 
-    def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0, once: float = 0.0) -> int:
+    def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0, once: float = 0.0,
+               left: float = 1.0) -> int:
         """This cycle's K; ``zero_run`` = how many cycles in a row ran at K=0 before it,
         ``deferred`` = how many positions the head has not caught up on (cycles without it),
-        ``once`` = the cycle's share of the head's first reading of prompts (:meth:`once_ms`)."""
-        k = self.best(ests, deferred, once)
+        ``once`` = the cycle's share of the head's first reading of prompts (:meth:`once_ms`),
+        ``left`` = the cycles the rows have left at one token a cycle (:meth:`_head_share`)."""
+        k = self.best(ests, deferred, once, left)
         if k == 0 and self.probe_due(ests, zero_run, deferred, once):
             return 1
         return k

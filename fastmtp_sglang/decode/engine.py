@@ -324,9 +324,9 @@ class ReferenceEngine:
         if self.auto is None:
             return self.steps
         rows = b.rows
-        once = self._prompts_once(rows)
+        once, left = self._prompts_once(rows), self._cycles_left(rows)
         if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once)
+            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once, left)
         if not self.auto.room(len(rows)):
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
@@ -340,9 +340,18 @@ class ReferenceEngine:
                 r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
             looks.append((r.est_lookup[m], len(toks)) if m else None)
         K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run,
-                                         b.deferred_positions(), once)
+                                         b.deferred_positions(), once, left)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
+
+    @staticmethod
+    def _cycles_left(rows: list[Row]) -> float:
+        """auto: the median of the live rows' remaining token budgets (the most cycles they have
+        left), over which a head cycle's catch-up is spread (AutoK._head_share); 1 when none has
+        a budget left."""
+        left = [r.req.params.max_new_tokens - len(r.out) for r in rows]
+        left = [n for n in left if n > 0]
+        return float(statistics.median(left)) if left else 1.0
 
     def _prompts_once(self, rows: list[Row]) -> float:
         """auto: a head cycle's share of reading the prompts the head has not read yet (their
@@ -569,11 +578,19 @@ class ReferenceEngine:
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
                                              source="lookup" if took_lookup else ""))
-            if took_lookup:
-                m = b.plan[j][1]
-                self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}")
-            elif self.auto is not None:
-                self.auto.update(r.est, k, acc_l[j])
+            if self.auto is not None:
+                # the source that drafted learns from the cycle; the row's other estimates
+                # move back towards the shared ones (AutoK.relax_estimate)
+                m = b.plan[j][1] if took_lookup else 0
+                if took_lookup:
+                    self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}")
+                if took_lookup or not k:
+                    self.auto.relax_estimate(r.est)
+                else:
+                    self.auto.update(r.est, k, acc_l[j])
+                for n, est in r.est_lookup.items():
+                    if n != m:
+                        self.auto.relax_estimate(est, f"lookup{n}")
             self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
             # the new pending token sits at pos + acc + 1: the context is full when it is the last
             if r.finish is None and int(b.pos[j]) + acc_l[j] + 2 >= self.max_context:
