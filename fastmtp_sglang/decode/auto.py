@@ -13,8 +13,10 @@ rule ``E_acc(K) / (1 + K c_draft)``, SGLang 0.5.23's ``--speculative-adaptive``.
 Acceptance estimates start from a prior and follow each row's cycles with an exponential moving
 average per position: a cycle at K that accepted m drafts observes "accepted" at positions 1..m
 and "rejected" at m+1 (positions beyond it are not observed; after a chain accepted whole, the
-next position's estimate is raised to the last one's). A row decoding at K=0 learns nothing, so
-after ``probe_every`` cycles at K=0 the controller may draft once at K=1 to look again. A probe
+next position's estimate is raised to the last one's). A row's estimate of a source that did not
+draft in a cycle moves a little back towards the estimate all rows share (``relax``), so a few
+misses do not shut a source out for the rest of a request. A batch decoding at K=0 learns
+nothing, so after ``probe_every`` cycles at K=0 the controller may draft once at K=1 to look again. A probe
 is not free where verification is not (at batch 16 a K=1 cycle costs ~1.6x a plain one, plus the
 head's catch-up over the skipped positions), so it waits until the K=0 time since the last
 drafting cycle, times ``probe_budget``, covers what the probe is expected to lose against plain
