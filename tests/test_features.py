@@ -131,9 +131,10 @@ def test_training_from_the_cache_equals_training_without(saved, tmp_path, monkey
     assert done.finished
 
 
-def test_kl_topk_training_runs_and_needs_a_cache(saved, tmp_path):
+@pytest.mark.parametrize("loss", ["ce+kl", "acc"])
+def test_kl_topk_training_runs_and_needs_a_cache(saved, tmp_path, loss):
     t, tdir, data, init = saved
-    cfg = small_cfg(epochs=1, batch_size=4, loss="ce+kl", kl_topk=4)
+    cfg = small_cfg(epochs=1, batch_size=4, loss=loss, kl_topk=4)
     with pytest.raises(FastMTPError, match="--features"):
         train(cfg, t, data, tmp_path / "x", init=init, progress=False)
     res = train(cfg, t, data, tmp_path / "k", init=init, progress=False, features=tmp_path / "fk",

@@ -1,5 +1,5 @@
 """The fused projection + loss (training/fused_loss.py) against the autograd reference
-(objective._chunk_terms): CE, exact KL, top-k KL and their sum; full and compressed vocabularies
+(objective._chunk_terms): CE, exact KL, top-k KL, the acceptance loss (exact and top-k) and sums; full and compressed vocabularies
 with labels and top-k tokens outside the table; chunks that do not divide the rows; values and
 gradients in fp32 (and fp64, where only the order of sums differs), and bf16 autocast within
 its rounding. CPU, tiny shapes.
@@ -54,7 +54,8 @@ def fused(proj, kind, x, lab, th, ti, tl, chunk):
 
 
 @pytest.mark.parametrize("kind,use_topk", [("ce", False), ("kl", False), ("kl", True),
-                                           ("ce+kl", False), ("ce+kl", True)])
+                                           ("ce+kl", False), ("ce+kl", True), ("acc", False),
+                                           ("acc", True), ("ce+acc", True)])
 @pytest.mark.parametrize("compressed", [False, True])
 @pytest.mark.parametrize("chunk", [1, 8, 100])
 def test_fused_equals_autograd_reference(kind, use_topk, compressed, chunk):
@@ -109,5 +110,28 @@ def test_refuses_a_trainable_projection_and_kl_without_a_target():
     proj, x, th, lab, ti, tl = setup()
     with pytest.raises(ValueError, match="frozen"):
         projected_loss(proj.weight.clone().requires_grad_(True), None, "ce", x, lab)
-    with pytest.raises(ValueError, match="KL needs"):
+    with pytest.raises(ValueError, match="KL and acc need"):
         projected_loss(proj.weight, None, "kl", x, lab)
+
+
+def test_the_acceptance_loss_is_minus_log_of_what_sampled_verification_accepts():
+    """alpha = sum min(p, q) is the probability that a token drawn from the draft survives the
+    target's rejection sampling: checked by simulation; the top-k form is a lower bound that
+    equals it when the top-k cover every token; the loss is 0 when q = p."""
+    from fastmtp_sglang.training.objective import acceptance_topk
+    g = torch.Generator().manual_seed(1)
+    logp = torch.log_softmax(torch.randn(1, 12, generator=g, dtype=torch.float64), -1)
+    logq = torch.log_softmax(torch.randn(1, 12, generator=g, dtype=torch.float64), -1)
+    p, q = logp.exp()[0], logq.exp()[0]
+    n = 200_000
+    x = torch.multinomial(q, n, replacement=True, generator=g)
+    accepted = torch.rand(n, generator=g, dtype=torch.float64) < (p[x] / q[x]).clamp(max=1)
+    alpha = float(torch.minimum(p, q).sum())
+    assert float(accepted.double().mean()) == pytest.approx(alpha, abs=4 * (alpha / n) ** 0.5)
+    every = torch.arange(12)[None]
+    assert float(acceptance_topk(logq, every, logp)[0]) == pytest.approx(alpha)
+    top = logp.topk(4, -1)
+    assert float(acceptance_topk(logq, top.indices, top.values)[0]) < alpha
+    proj, x_, th, lab, ti, tl = setup()
+    same = _chunk_terms(proj, "acc", th.clone(), lab, th, None, None)[1]   # the draft is the target
+    assert float(same) == pytest.approx(0.0, abs=1e-9)

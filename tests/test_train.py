@@ -28,7 +28,7 @@ from fastmtp_sglang.core.head import FastMTPHead, HeadConfig
 from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.core.target import Target
 from fastmtp_sglang.training.checkpoints import load_trainer_state
-from fastmtp_sglang.training.config import TrainConfig, step_weights
+from fastmtp_sglang.training.config import TrainConfig, divergence, step_weights
 from fastmtp_sglang.training.data import Batch, collate, load_examples
 from fastmtp_sglang.training.objective import (Projection, acceptance, anchors, at, batch_loss,
                                                serve_mask, unroll)
@@ -217,7 +217,7 @@ def _loss_and_grads(head, batch, proj, kind, chunk, labels=None):
     return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters()}, stats
 
 
-@pytest.mark.parametrize("kind", ["ce", "kl", "ce+kl"])
+@pytest.mark.parametrize("kind", ["ce", "kl", "ce+kl", "acc", "ce+acc"])
 @pytest.mark.parametrize("compressed", [False, True])
 def test_chunked_loss_equals_unchunked(kind, compressed):
     target = tiny_target()
@@ -477,6 +477,7 @@ def test_vanilla_trains_step_one_only(toy):
 def test_config_validation():
     with pytest.raises(FastMTPError, match="loss"):
         TrainConfig(loss="mse")
+    assert [divergence(x) for x in ("ce", "kl", "ce+kl", "acc", "ce+acc")] == [None, "kl", "kl", "acc", "acc"]
     with pytest.raises(FastMTPError, match="steps"):
         TrainConfig(steps=0)
     with pytest.raises(FastMTPError, match="heldout_fraction"):

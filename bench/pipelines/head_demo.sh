@@ -49,7 +49,9 @@ case $LOSS in
     ce) loss=(--loss ce) ;;
     kl) loss=(--loss kl --kl-topk 32) ;;
     ce+kl) loss=(--loss ce+kl --kl-topk 32) ;;
-    *) echo "LOSS is ce, kl or ce+kl" >&2; exit 1 ;;
+    acc) loss=(--loss acc --kl-topk 32) ;;
+    ce+acc) loss=(--loss ce+acc --kl-topk 32) ;;
+    *) echo "LOSS is ce, kl, ce+kl, acc or ce+acc" >&2; exit 1 ;;
 esac
 arms=()
 for a in $ARMS; do

@@ -107,8 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "teacher-forced (held-out tau is still scored at --steps)")
     p.add_argument("--attention", choices=ATTENTIONS, help="serve: train as you serve (default); "
                    "fastmtp: the paper's pattern (step k at position j, causal over its own step)")
-    p.add_argument("--loss", choices=LOSSES, help="ce on the data, kl to the target's logits, or "
-                   "their sum (default ce)")
+    p.add_argument("--loss", choices=LOSSES, help="ce on the data, kl to the target's logits, "
+                   "acc: -log of the acceptance rate sum min(p, q) against them (directly what "
+                   "sampled verification accepts), or a sum (default ce)")
     p.add_argument("--epochs", type=int, help=f"passes over the training split (default {d.epochs})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {NEW_HEAD_LR} for a head from "
                    f"`fastmtp init-head`, {d.lr} for a converted MTP layer; the paper: 5e-5)")
@@ -141,8 +142,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "see `fastmtp features`). Default: run the target every epoch")
     p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of cached hidden states when --features builds (default bfloat16)")
-    p.add_argument("--kl-topk", type=int, help="with --loss kl/ce+kl and --features: KL to the "
-                   "target's cached top-k distribution instead of recomputing its full logits "
+    p.add_argument("--kl-topk", type=int, help="with --loss kl/acc (or ce+) and --features: "
+                   "against the target's cached top-k distribution instead of recomputing its full logits "
                    f"(default {d.kl_topk} = exact)")
     p.add_argument("--group-by-length", action="store_true", default=None,
                    help="batch sequences of similar length together (less padding, same number of "

@@ -13,7 +13,14 @@ import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
 
-LOSSES = ("ce", "kl", "ce+kl")
+LOSSES = ("ce", "kl", "ce+kl", "acc", "ce+acc")
+
+
+def divergence(loss: str) -> str | None:
+    """The loss's term against the target's distribution: "kl" (KL(p || q)), "acc" (-log of
+    the acceptance rate sum_x min(p_x, q_x), objective._chunk_terms), or None (CE alone)."""
+    return next((d for d in ("kl", "acc") if d in loss.split("+")), None)
+
 ATTENTIONS = ("serve", "fastmtp")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -46,7 +53,7 @@ class TrainConfig:
     beta: float = 0.6                 # step-weight decay: w_k ~ beta^(k-1)
     vanilla: bool = False             # train step 1 only, teacher-forced (DeepSeek / MiMo MTP)
     attention: str = "serve"          # "serve" (train as you serve) | "fastmtp" (the paper's)
-    loss: str = "ce"                  # "ce" | "kl" | "ce+kl"
+    loss: str = "ce"                  # LOSSES: "ce" | "kl" | "ce+kl" | "acc" | "ce+acc"
     lr: float = 2e-4                  # peak learning rate
     warmup: float = 0.05              # fraction of optimizer steps with linear warmup
     adam_betas: tuple[float, float] = (0.9, 0.95)
@@ -65,7 +72,7 @@ class TrainConfig:
                                       # in steps); 0 = at the end of each epoch only
     halt_after_steps: int | None = None  # stop (and checkpoint) after this many optimizer steps
     cache_hidden_gb: float = 2.0      # memory for caching the target's hidden states; 0 = off
-    kl_topk: int = 0                  # KL to the target's top-k from the feature cache; 0 = exact
+    kl_topk: int = 0                  # kl/acc against the target's top-k from the feature cache; 0 = exact
     compute_dtype: str = "float32"    # head fwd/bwd under autocast in this dtype; weights, optimizer
                                       # state and evaluation stay fp32
     group_by_length: bool = False     # batches of similar lengths (less padding), order still random

@@ -18,6 +18,10 @@ With q = softmax(z) over the S scored columns of a row, lse = logsumexp(z):
   L = sum_i p_i (logp_i - lq_i) + rest_p (log rest_p - log rest_q);
   dL/dlq_i = -p_i + [rest_q > eps] rest_p exp(lq_i) inside_i / rest_q;
   d/dz_j = sum_i dL/dlq_i (onehot(c_i)_j - q_j).
+- acc, -log alpha with alpha = sum min(p, q) (objective._chunk_terms), m = [q < p]: exact,
+  d/dz = -(m q - q sum(m q)) / alpha; over the top-k (objective.acceptance_topk),
+  dL/dlq_i = -m_i q_i inside_i / alpha, then d/dz as for the top-k KL. alpha <= eps: clamped,
+  no gradient.
 The weight (the target's lm_head rows) is frozen: no gradient flows to it.
 """
 
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fastmtp_sglang.training.config import divergence
 
 
 def _mm_dtype(g: torch.Tensor) -> torch.dtype:
@@ -42,7 +48,8 @@ class _ProjectedLoss(torch.autograd.Function):
         cd = _mm_dtype(g)
         w = weight.to(cd)
         gc = g.detach().to(cd)
-        want_ce, want_kl = "ce" in kind, "kl" in kind
+        div = divergence(kind)
+        want_ce, want_kl = "ce" in kind, div is not None
         n = g.shape[0]
         f = torch.promote_types(torch.float32, weight.dtype)  # fp32 sums (fp64 for fp64 weights)
         ce = torch.zeros((), dtype=f, device=g.device)
@@ -74,11 +81,16 @@ class _ProjectedLoss(torch.autograd.Function):
                     lq = z.gather(-1, cols0) - lse
                     p = logp.exp() * inside
                     qk = lq.exp() * inside
-                    rest_p = (1 - p.sum(-1)).clamp(min=eps)
-                    rest_q_raw = 1 - qk.sum(-1)
-                    rest_q = rest_q_raw.clamp(min=eps)
-                    kl += ((p * (logp - lq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())).sum()
-                    a = -p + ((rest_q_raw > eps) * rest_p / rest_q)[:, None] * qk
+                    if div == "acc":  # a = dL/dlq
+                        alpha = torch.minimum(p, qk).sum(-1)
+                        kl -= alpha.clamp(min=eps).log().sum()
+                        a = -(qk * (qk < p)) * ((alpha > eps) / alpha.clamp(min=eps))[:, None]
+                    else:
+                        rest_p = (1 - p.sum(-1)).clamp(min=eps)
+                        rest_q_raw = 1 - qk.sum(-1)
+                        rest_q = rest_q_raw.clamp(min=eps)
+                        kl += ((p * (logp - lq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())).sum()
+                        a = -p + ((rest_q_raw > eps) * rest_p / rest_q)[:, None] * qk
                     dz = q * (-a.sum(-1, keepdim=True))
                     dz.scatter_add_(-1, cols0, a)
                 else:
@@ -87,8 +99,14 @@ class _ProjectedLoss(torch.autograd.Function):
                         zt = zt + bias.to(f)
                     logp_t = F.log_softmax(zt, dim=-1)
                     p_t = logp_t.exp()
-                    kl += (p_t * (logp_t - (z - lse))).sum()
-                    dz = q - p_t
+                    if div == "acc":
+                        mq = q * (q < p_t)
+                        alpha = torch.minimum(p_t, q).sum(-1, keepdim=True)
+                        kl -= alpha.clamp(min=eps).log().sum()
+                        dz = -(mq - q * mq.sum(-1, keepdim=True)) * ((alpha > eps) / alpha.clamp(min=eps))
+                    else:
+                        kl += (p_t * (logp_t - (z - lse))).sum()
+                        dz = q - p_t
                 dg_kl[s:e] = dz.to(cd) @ w
         ctx.save_for_backward(dg_ce, dg_kl)
         ctx.g_dtype = g.dtype
@@ -113,7 +131,8 @@ def projected_loss(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, g
                    topk_ids: torch.Tensor | None = None, topk_logp: torch.Tensor | None = None,
                    chunk: int = 256, eps: float = 1e-6
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE sum over in-table labels, KL sum, argmax hits) of one step, differentiable in ``g``.
+    """(CE sum over in-table labels, divergence sum (KL or acc), argmax hits) of one step,
+    differentiable in ``g``.
 
     weight [S, H] (bias [S]): the scored lm_head rows, frozen; g [N, H]; labels [N] logit columns
     (-1: outside the table, no CE, a miss); KL is exact from ``target_h`` [N, H] or, with
@@ -122,7 +141,7 @@ def projected_loss(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, g
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("projected_loss keeps the projection frozen: pass detached weights")
-    if "kl" in kind and target_h is None and topk_ids is None:
-        raise ValueError("KL needs the target's hidden states or its cached top-k")
+    if divergence(kind) and target_h is None and topk_ids is None:
+        raise ValueError("KL and acc need the target's hidden states or its cached top-k")
     return _ProjectedLoss.apply(g, weight, bias, labels, target_h, topk_ids, topk_logp, kind,
                                 max(int(chunk), 1), eps)

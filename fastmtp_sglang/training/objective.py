@@ -12,7 +12,7 @@ from torch import nn
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead, rows_at
-from fastmtp_sglang.training.config import ATTENTIONS
+from fastmtp_sglang.training.config import ATTENTIONS, divergence
 from fastmtp_sglang.training.data import Batch, Example, HiddenStates, collate
 from fastmtp_sglang.training.fused_loss import projected_loss
 
@@ -167,23 +167,38 @@ def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Ten
                  target_h: torch.Tensor | None, topk_ids: torch.Tensor | None = None,
                  topk_logp: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE sum over in-table labels, KL sum, correct count) of one chunk. g [N, H], labels [N].
+    """(CE sum over in-table labels, divergence sum, correct count) of one chunk. g [N, H],
+    labels [N].
 
-    KL is exact from ``target_h`` [N, H] (the target's logits recomputed), or, with ``topk_ids``
-    / ``topk_logp`` [N, k] from the feature cache, the KL of the two distributions coarsened to
-    {the target's top-k tokens, everything else} (kl_topk_terms)."""
+    The divergence (config.divergence(kind)) is KL(p || q), or with "acc" -log of the acceptance
+    rate alpha = sum_x min(p_x, q_x), what sampled verification accepts of a draft token: the
+    objective of LK losses (Samarin et al., arXiv 2602.23881), which moved DeepSeek-V3's native
+    MTP at K=7 from an accept length of 3.20 to 4.83 where KL fine-tuning reached 4.79. It is
+    exact from ``target_h`` [N, H] (the target's logits recomputed), or, with ``topk_ids`` /
+    ``topk_logp`` [N, k] from the feature cache, over the target's top-k tokens: KL coarsened
+    to {top-k, everything else} (kl_topk_terms), alpha summed over the top-k alone (a lower
+    bound, acceptance_topk). alpha is clamped at ``eps`` (a row with no overlap: no gradient)."""
     logits = proj(g)                                                        # [N, S]
     zero = logits.new_zeros(())
     ce = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") if "ce" in kind else zero
     kl = zero
-    if "kl" in kind:
+    div = divergence(kind)
+    if div:
         logq = F.log_softmax(logits, dim=-1)
         if topk_ids is not None:
-            kl = kl_topk_terms(logq, proj.labels(topk_ids), topk_logp).sum()
+            cols = proj.labels(topk_ids)
+            if div == "kl":
+                kl = kl_topk_terms(logq, cols, topk_logp).sum()
+            else:
+                kl = -acceptance_topk(logq, cols, topk_logp).clamp(min=1e-6).log().sum()
         else:
             with torch.no_grad():
                 logp_t = F.log_softmax(proj(target_h), dim=-1)              # [N, S]
-            kl = (logp_t.exp() * (logp_t - logq)).sum()
+            if div == "kl":
+                kl = (logp_t.exp() * (logp_t - logq)).sum()
+            else:
+                alpha = torch.minimum(logp_t.exp(), logq.exp()).sum(-1)
+                kl = -alpha.clamp(min=1e-6).log().sum()
     correct = (logits.detach().argmax(-1) == labels).sum()
     return ce, kl, correct
 
@@ -206,6 +221,16 @@ def kl_topk_terms(logq: torch.Tensor, cols: torch.Tensor, logp: torch.Tensor,
     rest_p = (1 - p.sum(-1)).clamp(min=eps)
     rest_q = (1 - (lq.exp() * inside).sum(-1)).clamp(min=eps)
     return top + rest_p * (rest_p.log() - rest_q.log())
+
+
+def acceptance_topk(logq: torch.Tensor, cols: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """sum over the target's top-k tokens of min(p, q) per row: the acceptance rate of a draft
+    token sampled from q under p's verification, less what the tokens outside the top-k add
+    (a lower bound, tight when the top-k hold p's mass). Arguments as kl_topk_terms. [N]."""
+    inside = cols >= 0
+    p = logp.exp() * inside
+    q = logq.gather(-1, cols.clamp(min=0)).exp() * inside
+    return torch.minimum(p, q).sum(-1)
 
 
 def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
@@ -261,10 +286,10 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
             sel = sel & valid
         lab = proj.labels(at(shift_left(labels, k + 1), idx)[sel])         # [N]
         th = tk = None
-        if "kl" in kind and batch.topk_ids is not None:                     # cached top-k at j+k
+        if divergence(kind) and batch.topk_ids is not None:                 # cached top-k at j+k
             tk = (at(shift_left(batch.topk_ids, k), idx)[sel],
                   at(shift_left(batch.topk_logp, k), idx)[sel])
-        elif "kl" in kind:
+        elif divergence(kind):
             # h_{j+k} predicts x_{j+k+1} (the last H columns: a fused head's input starts with aux layers)
             th = at(shift_left(batch.hidden[..., -g.shape[-1]:], k), idx)[sel]
         ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)

@@ -26,7 +26,8 @@ for comparison.
 
 Loss: sum_k w_k L_k with w_k = beta^(k-1) / sum_j beta^(j-1) (beta 0.6, K 3: 0.51/0.31/0.18);
 L_k is the mean over the step's targets that are response tokens of cross-entropy ("ce"), KL(target
-|| draft) to the frozen target's own logits for the same token ("kl"), or their sum ("ce+kl").
+|| draft) to the frozen target's own logits for the same token ("kl"), -log of the acceptance rate
+sum min(p, q) against them ("acc", LK losses), or a sum ("ce+kl", "ce+acc").
 Logits are computed per step and per chunk of ``--ce-chunk`` positions, scored and
 differentiated in the same pass (training/fused_loss.py), so K x T x V logits never sit in
 memory. Only the anchors a scored target needs are computed (objective.anchors: prompt
@@ -72,7 +73,7 @@ from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead
 from fastmtp_sglang.training import parallel
 from fastmtp_sglang.training.checkpoints import LOG_NAME, RunState, load_trainer_state
-from fastmtp_sglang.training.config import TrainConfig, autocast, resume_mismatches
+from fastmtp_sglang.training.config import TrainConfig, autocast, divergence, resume_mismatches
 from fastmtp_sglang.training.data import (HiddenStates, TrainData, collate, epoch_batches,
                                           file_sha256, load_examples, split_heldout)
 from fastmtp_sglang.training.features import INDEX, open_or_build
@@ -248,14 +249,14 @@ def _feature_source(cfg: TrainConfig, target, ds: TrainData, state: dict[str, An
             # one process would build it while N-1 wait on a collective that times out
             raise FastMTPError(f"feature cache {features} does not exist: build it first with "
                                "`fastmtp features` (one process), then start torchrun")
-        need_topk = cfg.kl_topk if "kl" in cfg.loss else 0
+        need_topk = cfg.kl_topk if divergence(cfg.loss) else 0
         store = open_or_build(target, target_dir, ds.path, ds.examples, features, cfg.max_len,
                               cfg.max_sequences, feature_dtype, need_topk, progress, aux_layers=aux)
         if len(store) < len(ds.examples):
             raise FastMTPError(f"feature cache {features} holds {len(store)} sequences, the data "
                                f"{len(ds.examples)}: rebuild it")
     hidden_fn = store if store is not None else HiddenStates(target.model, cfg.cache_hidden_gb * 1e9, aux)
-    use_topk = store is not None and cfg.kl_topk > 0 and "kl" in cfg.loss
+    use_topk = store is not None and cfg.kl_topk > 0 and divergence(cfg.loss) is not None
 
     def topks_of(idxs: list[int]):
         if not use_topk:
