@@ -349,9 +349,13 @@ class ReferenceEngine:
         """auto: the median of the live rows' remaining token budgets (the most cycles they have
         left), over which a head cycle's catch-up is spread (AutoK._head_share); 1 when none has
         a budget left."""
-        left = [r.req.params.max_new_tokens - len(r.out) for r in rows]
-        left = [n for n in left if n > 0]
+        left = [n for n in map(ReferenceEngine._budget_left, rows) if n > 0]
         return float(statistics.median(left)) if left else 1.0
+
+    @staticmethod
+    def _budget_left(r: Row) -> int:
+        """Tokens the row may still emit (0 once finishing or aborted: the server sets its budget to 0)."""
+        return r.req.params.max_new_tokens - len(r.out)
 
     def _prompts_once(self, rows: list[Row]) -> float:
         """auto: a head cycle's share of reading the prompts the head has not read yet (their
@@ -359,8 +363,7 @@ class ReferenceEngine:
         a cycle, the most cycles they have left; AutoK.once_ms). 0 when every prompt has been
         read. Rows with no budget left (finishing, or aborted: the server sets their budget
         to 0) are not counted: they will not draft."""
-        unread = [(len(r.head_prompt[1]), r.req.params.max_new_tokens - len(r.out))
-                  for r in rows if r.head_prompt is not None]
+        unread = [(len(r.head_prompt[1]), self._budget_left(r)) for r in rows if r.head_prompt is not None]
         unread = [(n, left) for n, left in unread if left > 0]
         if not unread:
             return 0.0
