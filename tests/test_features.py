@@ -41,8 +41,9 @@ def test_cache_holds_the_targets_hidden_states_and_topk(saved, tmp_path):
     t, tdir, data, _ = saved
     ex = _examples(t, data)
     key = make_key(t, tdir, data, 64, None, "float32", 5)
-    store = build_features(t, ex, tmp_path / "f", key, batch_tokens=100, progress=False)
+    store = build_features(t, ex, tmp_path / "f", key, batch_tokens=100, progress=False, data=data)
     assert len(store) == len(ex)
+    assert store.index["data"] == str(Path(data).resolve())  # where its sample ids can be read
     with torch.no_grad():
         for i in (0, 7, len(ex) - 1):
             h = t.model.model(input_ids=ex[i].ids[None]).last_hidden_state[0]

@@ -186,15 +186,17 @@ def _trim_heap() -> None:
 
 
 def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tokens: int = 8192,
-                   progress: bool = True, log=None, share_prompts: bool = True) -> FeatureStore:
+                   progress: bool = True, log=None, share_prompts: bool = True,
+                   data: str | Path | None = None) -> FeatureStore:
     """Run the target over ``examples`` (data.Example list) and write the cache at ``out``.
 
     Sequences are run in batches of similar length (sorted, right-padded, at most
     ``batch_tokens`` padded tokens): a batch of short sequences costs one forward instead of
     many. Sequences that share their prompt (``fastmtp distill --n``: n samples of one prompt)
     run the prompt once and their responses on its KV cache (:func:`shared_prompt_groups`;
-    ``share_prompts=False`` runs every sequence whole). Returns the opened store. Resumes a
-    partial build with the same key.
+    ``share_prompts=False`` runs every sequence whole). ``data``: the data file's path, recorded
+    in the index (a later build on other data can then take this cache's rows by sample id).
+    Returns the opened store. Resumes a partial build with the same key.
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -354,6 +356,8 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
              "shards": done_shards,
              "rows": rows, "tokens": sum(s["tokens"] for s in done_shards),
              "build_seconds": round(time.perf_counter() - t0, 1)}
+    if data is not None:
+        index["data"] = str(Path(data).resolve())
     _write_json(part / INDEX, index)
     prog_file.unlink()
     os.replace(part, out)
@@ -425,4 +429,4 @@ def open_or_build(target, target_dir, data, examples, path, max_len: int,
     key = make_key(target, target_dir, data, max_len, max_sequences, dtype, topk, aux_layers)
     if (Path(path) / INDEX).is_file():
         return FeatureStore(path, key)
-    return build_features(target, examples, path, key, progress=progress, log=log)
+    return build_features(target, examples, path, key, progress=progress, log=log, data=data)
