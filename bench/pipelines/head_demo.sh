@@ -9,6 +9,8 @@
 #       bash bench/pipelines/head_demo.sh runs/demo-pipeline-v2 runs/demo-pipeline-v2/head-steps
 #   INIT=D_TRAINED POINTS=1290000 EPOCHS=1 LR=3e-3 ...   # a warm restart from a trained head; link
 #       data.jsonl, features/ and table/ from the first run's OUT to reuse its feature cache
+#   REUSE=runs/data-v3/snap-15872.features ...   # copy the rows a finished cache over (a superset
+#       of) these rows holds instead of running the target again (`fastmtp features --reuse`)
 #
 # Layout as bench/pipelines/curve_demo.sh and bench/pipelines/ablation.sh: the first 200 rows of distill.jsonl are
 # the held-out rows, the training prefixes start after them, so the points here continue the
@@ -30,6 +32,7 @@ EVAL_EVERY=${EVAL_EVERY:-0}   # optimizer steps between held-out scores (the cur
 RESULTS=${RESULTS:-bench/results/head_demo}
 INIT=${INIT:-}                # a trained head to continue from (a warm restart); default: the pipeline's init head
 DISJOINT=${DISJOINT:-0}       # 1: no training row (or table text) shares a prompt with a held-out row
+REUSE=${REUSE:-}              # feature caches to copy rows from (space-separated)
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
@@ -44,7 +47,7 @@ if [[ ! -f $TABLE ]]; then
         --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
 fi
 "$BIN/fastmtp" features --target "$T" --data "$OUT/data.jsonl" --out "$OUT/features" \
-    --max-len 512 --topk 32 --dtype bfloat16
+    --max-len 512 --topk 32 --dtype bfloat16 $(for r in $REUSE; do echo --reuse "$r"; done)
 case $LOSS in
     ce) loss=(--loss ce) ;;
     kl) loss=(--loss kl --kl-topk 32) ;;

@@ -4,11 +4,14 @@ docstring is the help)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.training import features as lib
 from fastmtp_sglang.cli.init_head import layer_list
 from fastmtp_sglang.training.features import FEATURE_DTYPES, open_or_build
+from fastmtp_sglang.training.features_reuse import reusable_rows
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -21,9 +24,16 @@ def _run(args: argparse.Namespace) -> int:
                                      args.max_sequences)
     if not examples:
         raise FastMTPError(f"{args.data}: no usable rows ({counts.lines} lines)")
+    aux = tuple(args.aux_layers or ())
+    reuse = None
+    if args.reuse and not (Path(args.out) / lib.INDEX).is_file():
+        key = lib.make_key(target, args.target, args.data, args.max_len, args.max_sequences,
+                           args.feature_dtype, args.topk, aux)
+        reuse = reusable_rows(args.reuse, key, examples, target.tokenizer, vocab,
+                              lambda s: print(s, file=sys.stderr, flush=True))
     store = open_or_build(target, args.target, args.data, examples, args.out, args.max_len,
                           args.max_sequences, args.feature_dtype, args.topk, not args.no_progress,
-                          aux_layers=tuple(args.aux_layers or ()))
+                          aux_layers=aux, reuse=reuse)
     print(f"feature cache {store.path}: {len(store)} sequences, {store.index['tokens']} tokens, "
           f"{store.nbytes / 2**20:.0f} MiB")
     return 0
@@ -47,5 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aux-layers", type=layer_list, default=None,
                    help="also store these middle layers' residual streams, for a head made with "
                    "`init-head --aux-layers` (default none)")
+    p.add_argument("--reuse", action="append", default=[], metavar="CACHE",
+                   help="copy the rows this finished cache holds (same target and settings; "
+                   "matched by token ids through the data file it recorded) instead of running "
+                   "the target over them; repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

@@ -167,6 +167,13 @@ class FeatureStore:
                                "--topk 0): rebuild it with --topk > 0")
         return self._slice(i, "topk_ids").long(), self._slice(i, "topk_logp").float()
 
+    def stored(self, i: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Row i as stored (hidden, and the first ``k`` top-k columns, or None for k = 0): what
+        a build copies from a --reuse cache."""
+        if not k:
+            return self._slice(i, "hidden"), None, None
+        return self._slice(i, "hidden"), self._slice(i, "topk_ids")[:, :k], self._slice(i, "topk_logp")[:, :k]
+
     @property
     def nbytes(self) -> int:
         return sum((self.path / s["file"]).stat().st_size for s in self.index["shards"])
@@ -187,7 +194,8 @@ def _trim_heap() -> None:
 
 def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tokens: int = 8192,
                    progress: bool = True, log=None, share_prompts: bool = True,
-                   data: str | Path | None = None) -> FeatureStore:
+                   data: str | Path | None = None,
+                   reuse: dict[int, tuple[FeatureStore, int]] | None = None) -> FeatureStore:
     """Run the target over ``examples`` (data.Example list) and write the cache at ``out``.
 
     Sequences are run in batches of similar length (sorted, right-padded, at most
@@ -195,7 +203,8 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     many. Sequences that share their prompt (``fastmtp distill --n``: n samples of one prompt)
     run the prompt once and their responses on its KV cache (:func:`shared_prompt_groups`;
     ``share_prompts=False`` runs every sequence whole). ``data``: the data file's path, recorded
-    in the index (a later build on other data can then take this cache's rows by sample id).
+    in the index (a later build on other data can then copy this cache's rows). ``reuse``:
+    {row: (another cache, its row)} for rows copied, not computed (features_reuse.reusable_rows).
     Returns the opened store. Resumes a partial build with the same key.
     """
     from safetensors.torch import save_file
@@ -297,6 +306,9 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
                           output_hidden_states=bool(aux))
         return head_input(out, aux), out.past_key_values
 
+    copied = sorted((r for r in todo if r in (reuse or {})),  # in the old caches' order: one pass
+                    key=lambda r: (id(reuse[r][0]), reuse[r][0].rows[reuse[r][1]]))
+    todo = [r for r in todo if r not in (reuse or {})]
     shared, todo = shared_prompt_groups(examples, todo) if share_prompts else ([], todo)
     if shared:
         saved = sum((len(g) - 1) * examples[g[0]].prompt_len for g in shared)
@@ -306,6 +318,14 @@ def build_features(target, examples, out: str | Path, key: FeatureKey, batch_tok
     groups = 0
     with torch.no_grad(), tqdm(total=total_tokens, unit="tok", desc="features", disable=not progress,
                                dynamic_ncols=True, file=sys.stderr) as bar:
+        for r in copied:
+            src, i = reuse[r]
+            h, top_ids, top_lp = src.stored(i, key.topk)
+            if len(h) != len(examples[r].ids):
+                raise FastMTPError(f"--reuse {src.path}: row {i} has {len(h)} tokens, the sequence "
+                                   f"{len(examples[r].ids)}: that cache is damaged; drop it")
+            stage(r, [(h, top_ids, top_lp)])
+            bar.update(len(h))
         for group in shared:  # one prompt, then its responses on the prompt's KV cache
             p = examples[group[0]].prompt_len
             hp, prompt_cache = forward(examples[group[0]].ids[:p][None], keep=True)
@@ -424,9 +444,12 @@ def _check_disk(where: Path, examples, target, key: FeatureKey) -> None:
 
 def open_or_build(target, target_dir, data, examples, path, max_len: int,
                   max_sequences: int | None, dtype: str = "bfloat16", topk: int = 0,
-                  progress: bool = True, log=None, aux_layers: tuple[int, ...] = ()) -> FeatureStore:
-    """The store at ``path`` for these inputs: opened when its key matches, built when missing."""
+                  progress: bool = True, log=None, aux_layers: tuple[int, ...] = (),
+                  reuse: dict[int, tuple[FeatureStore, int]] | None = None) -> FeatureStore:
+    """The store at ``path`` for these inputs: opened when its key matches, built when missing
+    (``reuse``: rows copied from other caches, as features_reuse.reusable_rows finds them)."""
     key = make_key(target, target_dir, data, max_len, max_sequences, dtype, topk, aux_layers)
     if (Path(path) / INDEX).is_file():
         return FeatureStore(path, key)
-    return build_features(target, examples, path, key, progress=progress, log=log, data=data)
+    return build_features(target, examples, path, key, progress=progress, log=log, data=data,
+                          reuse=reuse)
