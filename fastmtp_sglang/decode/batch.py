@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fastmtp_sglang.decode.capture import Capture
 from fastmtp_sglang.decode.metrics import RequestMetrics
 from fastmtp_sglang.decode.sampling import logits_to_probs, sample, sample_rows
 
@@ -61,6 +62,8 @@ class Row:
         self.est: list[float] = []  # auto: running conditional acceptance per draft position
         self.est_lookup: dict[int, list[float]] = {}  # hybrid: the same for prompt lookup, by match n
         self.ngram = None  # prompt lookup's index of prompt + out (decode/ngram.py: NgramIndex)
+        k = getattr(req, "features", None)  # what training reads, kept as it decodes
+        self.capture = None if k is None else Capture(k)
         self.t_decode = 0.0  # perf_counter when its decoding began (after its prefill)
         # auto: the head's input over the prompt, (features [L, H'], next tokens [L]) at
         # positions 0..L-1, run when the row first needs the head (ReferenceEngine._head_prompts):

@@ -37,6 +37,7 @@ from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import PREFILL_CALL_TOKENS, Batch, Row, prefill_groups
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
+from fastmtp_sglang.decode.capture import capture_prompts, capture_verified
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.ngram import NgramIndex
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
@@ -52,6 +53,9 @@ class Request:
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
+    # keep what training reads (decode/capture.py): the target's states of the fed positions
+    # and this many top-k log-probabilities (0: states only); None: nothing
+    features: int | None = None
 
 
 @dataclass
@@ -61,6 +65,8 @@ class Result:
     finish_reason: dict[str, Any]
     metrics: RequestMetrics
     rid: str | None = None
+    # Request.features: (states [P + N - 1, W], top-k ids int32, top-k log-probs fp16 or None)
+    features: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -284,6 +290,7 @@ class ReferenceEngine:
             hidden = hidden[pick]
         else:
             hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
+        capture_prompts(b.rows, feats, hidden, lens, src, self.target.lm_head)
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
         b.pending = b.sample(self.target.lm_head(last_h).float())         # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
@@ -464,6 +471,7 @@ class ReferenceEngine:
             acc = torch.cat([a for a, _ in parts])
             emitted = torch.cat([torch.nn.functional.pad(e, (0, Kc - c), value=-1)
                                  for (_, e), c in zip(parts, cap)])
+        capture_verified(b.rows, vf, tlogits, acc)  # (rows that keep features: decode/capture.py)
         # rollback: hide the slots of rejected drafts; crop what no row uses
         slot = torch.arange(Kc + 1, device=dev)[None]
         b.valid[:, -(Kc + 1):] = slot <= acc[:, None]
@@ -622,7 +630,8 @@ class ReferenceEngine:
         text = self._decode(r.out) if self.target.tokenizer is not None else None
         if text is not None and r.finish.get("type") == "stop" and "matched_str" in r.finish:
             text = text[: text.find(r.finish["matched_str"])]
-        return Result(r.out, text, r.finish, r.metrics, r.req.rid)
+        feats = None if r.capture is None else r.capture.finish(len(r.req.input_ids) + len(r.out) - 1)
+        return Result(r.out, text, r.finish, r.metrics, r.req.rid, feats)
 
     def _propose(self, rows: list[Row], K: int, pending: torch.Tensor
                  ) -> tuple[torch.Tensor, int]:

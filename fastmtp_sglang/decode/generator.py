@@ -46,6 +46,7 @@ class GenRequest:
     input_ids: list[int]
     params: SamplingParams
     tag: Any = None  # returned with the result, untouched
+    features: int | None = None  # engine.Request.features: keep what training reads (top-k)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GenResult:
     finish_reason: dict[str, Any]
     tag: Any = None
     prompt_tokens: int = 0
+    features: tuple | None = None  # engine.Result.features
 
 
 def kv_cache_bytes(config, slots: int, max_len: int, element_size: int) -> int:
@@ -135,7 +137,7 @@ class QueueGenerator:
                 admit = []
                 while waiting and len(admit) < free:
                     req, fut = waiting.popleft()
-                    r = Request(req.input_ids, req.params)
+                    r = Request(req.input_ids, req.params, features=req.features)
                     try:
                         self.engine.validate(r)
                         if req.params.max_new_tokens < 1:
@@ -166,7 +168,7 @@ class QueueGenerator:
                 fut, req = self._futs.pop(key)
                 self.generated_tokens += len(res.output_ids)
                 fut.set_result(GenResult(res.output_ids, res.finish_reason, req.tag,
-                                         len(req.input_ids)))
+                                         len(req.input_ids), res.features))
 
     def worker(self) -> "GenWorker":
         """A GenWorker whose ``run()`` the caller makes on its own (usually the main) thread."""
