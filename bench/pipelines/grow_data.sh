@@ -5,7 +5,9 @@
 # (`fastmtp synth-prompts --seed 1`: maths and code weighted up, where the head trails prompt
 # lookup). The first four samples of the shipped prompts are the committed data: restored, not
 # regenerated. Long: ~4.6M new response tokens, hours on 2 CPU cores; stop it any time (Ctrl-C or
-# `kill`): every line written is whole, and the same command resumes where it stopped. Then
+# `kill`): every line written is whole, and the same command resumes where it stopped. The feature
+# cache head_demo.sh trains from is kept in the same pass (distill.features: the rows distilled
+# with it; rows from before are filled in by `fastmtp features --reuse`, see head_demo.sh). Then
 #   python bench/train_data.py pack-growth runs/data-v3 --note "..."
 # packs the rows added (bench/train_data/growth/) for a commit; on a new machine the same command
 # restores base + growth and goes on.
@@ -50,4 +52,5 @@ fi
 "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v3.jsonl" \
     --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
     --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
-    --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl"
+    --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
+    --with-features "$W/distill.features" --max-len 512 --feature-topk 32

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         exclude=args.exclude or [], drop_truncated=args.drop_truncated, limit=args.limit,
         system=args.system, seed=args.seed, max_repeat_fraction=args.max_repeat_fraction,
         progress=not args.no_progress, with_features=args.with_features,
-        feature_dtype=args.feature_dtype, max_len=args.max_len)
+        feature_dtype=args.feature_dtype, feature_topk=args.feature_topk, max_len=args.max_len)
     _stop_on_sigterm()
     try:
         stats = distill(cfg)
@@ -101,12 +101,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8,
                    help="with --url: requests in flight per server (default 8)")
     p.add_argument("--with-features", default=None, metavar="DIR",
-                   help="with --url: also keep the target's hidden states the server returns "
-                   "with each answer (SGLang's return_hidden_states; start it with "
-                   "--enable-return-hidden-states) as the feature cache DIR for `fastmtp train "
-                   "--features DIR` (no transformers forward). Needs the target's directory "
-                   "(--tokenizer, or the server's model_path when local): the cache's key hashes "
-                   "its config, tokenizer and weight files")
+                   help="also keep the target's hidden states as the feature cache DIR for "
+                   "`fastmtp train --features DIR`, in the same pass: with --target the engine's "
+                   "own (and --feature-topk log-probabilities), with --url those the server "
+                   "returns with each answer (SGLang's return_hidden_states; start it with "
+                   "--enable-return-hidden-states; needs the target's directory, --tokenizer, "
+                   "or the server's model_path when local: the cache's key hashes its config, "
+                   "tokenizer and weight files)")
+    p.add_argument("--feature-topk", type=int, default=None,
+                   help="with --with-features and --target: top-k log-probabilities kept per "
+                   "token, for --loss kl (default 32; with --url 0: servers return none)")
     p.add_argument("--feature-dtype", default="bfloat16",
                    choices=("bfloat16", "float16", "float32"),
                    help="with --with-features: dtype of the stored hidden states (default "

@@ -127,7 +127,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
     jobs = plan_jobs(cfg, prompts, tokenizer, base_sp, done={r["id"] for r in records},
                      done_rejected={r["id"] for r in rejected}, stats=stats)
     writer = ResultWriter(out, filt, tokenizer, target, stats, lines_in_output=len(records))
-    feats = _open_features(cfg, backend, records, jobs) if cfg.with_features else None
+    feats = _open_features(cfg, backend, records, jobs, log) if cfg.with_features else None
     writer.features = feats.sink if feats is not None else None
 
     def finish() -> Stats:
@@ -152,6 +152,11 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
         stats.feature_tokens = int(store.index["tokens"])
         log(f"fastmtp distill: features of {len(store)} sequences ({stats.feature_tokens} tokens, "
             f"max_len {cfg.max_len}) in {store.path}")
+        part = store.index.get("partial")
+        if part:
+            log(f"fastmtp distill: the cache covers {part['rows']} of the {part['of']} usable rows "
+                f"(its data file: {store.index['data']}); for all of {out}: `fastmtp features "
+                f"--data {out} --reuse {store.path} ...`")
     finish()
     if stats.aborted:
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
@@ -202,20 +207,20 @@ class _Features:
 
     def finish(self, data: Path, tokenizer) -> FeatureStore:
         key = key_from_parts(self.config, tokenizer, self.model_dir, data, self.cfg.max_len, None,
-                             self.cfg.feature_dtype, 0)
+                             self.cfg.feature_dtype, self.sink.topk)
         return self.sink.finish(data, key, tokenizer, int(self.config.get("vocab_size") or 0)
                                 or len(tokenizer), int(self.config["hidden_size"]))
 
 
 def _open_features(cfg: DistillConfig, backend: Backend, records: list[dict],
-                   jobs: list) -> _Features:
+                   jobs: list, log: Callable[[str], None]) -> _Features:
     """Check everything --with-features needs before a request is sent: the target's directory
     (config, weight files: the cache's key hashes them, as `train --features` does), the cache
     path, hidden states from every server (one short request each), rows for the samples already
     in the output. Then open the sink. Raises FastMTPError with one line."""
     from fastmtp_sglang.core.target import read_target_config
 
-    model_dir = getattr(backend, "model_dir", None)
+    model_dir = getattr(backend, "model_dir", None) or cfg.target
     if model_dir is None:
         raise FastMTPError("--with-features needs the target's model directory (config.json, "
                            "tokenizer, weight files: the cache's key hashes them, as `fastmtp "
@@ -226,15 +231,16 @@ def _open_features(cfg: DistillConfig, backend: Backend, records: list[dict],
                            "files (the cache's key hashes them): give --tokenizer DIR, the "
                            "target's model directory")
     width = int(config["hidden_size"])
-    sink = FeatureSink(cfg.with_features, width, cfg.feature_dtype)
+    sink = FeatureSink(cfg.with_features, width, cfg.feature_dtype, cfg.feature_topk)
     sink.check()
     lost = sink.missing([str(r["id"]) for r in records])
     if lost:
-        raise FastMTPError(f"{len(lost)} samples already in {cfg.out} have no hidden states in "
-                           f"{cfg.with_features} (first {lost[0]!r}: written without "
-                           "--with-features?): distil into a new --out")
+        log(f"fastmtp distill: {len(lost)} samples already in {cfg.out} have no hidden states in "
+            f"{cfg.with_features} (written without --with-features): the cache will cover the "
+            f"others; then `fastmtp features --data {cfg.out} --reuse {cfg.with_features}` "
+            "computes only the missing ones")
     if jobs:
-        for url in backend.urls:
+        for url in getattr(backend, "urls", ()):
             _probe_hidden(url, jobs[0].prompt_ids[:16], width, cfg.timeout)
     backend.width = width
     sink.open()

@@ -44,10 +44,12 @@ class DistillConfig:
     seed: int = 0
     max_repeat_fraction: float = 0.5
     progress: bool = True
-    # with --url: also write the target's hidden states, as returned with each answer, into this
-    # feature cache (training/features_server.py), for `train --features` at this max_len
+    # also write the target's hidden states into this feature cache (training/features_server.py),
+    # for `train --features` at this max_len: as a server returns them with each answer (--url),
+    # or as the in-process engine computed them (--target: with feature_topk top-k log-probs)
     with_features: str | None = None
     feature_dtype: str = "bfloat16"
+    feature_topk: int | None = None  # None: 32 in process (what --loss kl reads), 0 with --url
     max_len: int = 1024
     urls: tuple[str, ...] = ()
 
@@ -81,14 +83,18 @@ class DistillConfig:
              "give either --url (a server) or --target (generate in this process), not both"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (len(set(self.urls)) == len(self.urls), f"--url repeats a server: {list(self.urls)}"),
-            (self.with_features is None or self.url is not None,
-             "--with-features keeps the hidden states a server returns: give --url (with "
-             "--target, run `fastmtp features` on the output instead)"),
+            (self.url is None or not self.feature_topk,
+             "--feature-topk: a server returns hidden states but no top-k log-probabilities; "
+             "with --url leave it at 0 (in process, --target, keeps them)"),
+            (self.feature_topk is None or self.feature_topk >= 0,
+             f"--feature-topk must be >= 0, got {self.feature_topk}"),
             (self.max_len >= 3, f"--max-len must be >= 3, got {self.max_len}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise FastMTPError(msg)
+        if self.feature_topk is None:
+            self.feature_topk = 32 if self.target is not None else 0
 
     def temperature_of(self, index: int) -> float:
         """The temperature of sample ``index`` of a prompt."""

@@ -158,6 +158,8 @@ class LocalBackend(Backend):
         if self.tokenizer is None:
             raise FastMTPError(f"target {cfg.target} has no tokenizer")
         self.cfg, self.log = cfg, log
+        # --with-features: each request keeps its states and this many top-k (decode/capture.py)
+        self.features = cfg.feature_topk if cfg.with_features else None
         self.window = 2 * cfg.batch_size
         self.describe = f"in-process {cfg.target}, {cfg.dtype}, batch {cfg.batch_size}"
         self.worker = None
@@ -208,7 +210,7 @@ class LocalBackend(Backend):
         outer: Future = Future()
         try:
             params = SamplingParams.from_dict(dict(job.sampling_params))
-            inner = self.worker.submit(GenRequest(job.prompt_ids, params))
+            inner = self.worker.submit(GenRequest(job.prompt_ids, params, features=self.features))
         except RuntimeError as exc:
             raise GeneratorStopped(str(exc)) from None
         except ValueError as exc:
@@ -219,10 +221,15 @@ class LocalBackend(Backend):
             exc = f.exception()
             if exc is None:
                 r = f.result()
-                outer.set_result(({"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
-                                   "output_ids": r.output_ids,
-                                   "meta_info": {"finish_reason": r.finish_reason,
-                                                 "completion_tokens": len(r.output_ids)}}, 0))
+                reply = {"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                         "output_ids": r.output_ids,
+                         "meta_info": {"finish_reason": r.finish_reason,
+                                       "completion_tokens": len(r.output_ids)}}
+                if r.features is not None:  # --with-features: the engine kept them (capture.py)
+                    reply["hidden"] = r.features[0]
+                    if r.features[1] is not None:
+                        reply["topk"] = r.features[1:]
+                outer.set_result((reply, 0))
             elif isinstance(exc, ValueError):  # this prompt's fault: too long, bad parameters
                 outer.set_exception(Refused(str(exc)))
             else:

@@ -92,7 +92,7 @@ class ResultWriter:
             return
         self.stats.truncated_kept += truncated
         if self.features is not None:  # the rows first: every line of the output has its rows
-            self.features.add(job.id, reply["hidden"])
+            self.features.add(job.id, reply["hidden"], reply.get("topk"))
         self.fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self.fout.flush()
         self.stats.written += 1

@@ -141,15 +141,20 @@ class FeatureStore:
                                    "path to build a new one")
         self.rows = self.index["rows"]
         self.topk_k = int(self.index["key"]["topk"])
-        self._files = [safe_open(str(self.path / s["file"]), framework="pt")
-                       for s in self.index["shards"]]
+        # a shard is one file, or (a distill sink's) one file per tensor: {"files": {name: file}}
+        self._files = []
+        for s in self.index["shards"]:
+            main = safe_open(str(self.path / s["file"]), framework="pt")
+            other = {n: safe_open(str(self.path / f), framework="pt")
+                     for n, f in s.get("files", {}).items()}
+            self._files.append(lambda name, main=main, other=other: other.get(name, main))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def _slice(self, i: int, name: str) -> torch.Tensor:
         shard, off, n = self.rows[i]
-        return self._files[shard].get_slice(name)[off:off + n]
+        return self._files[shard](name).get_slice(name)[off:off + n]
 
     def __call__(self, i: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] of row i (``ids`` is accepted for HiddenStates compatibility and checked
@@ -176,7 +181,8 @@ class FeatureStore:
 
     @property
     def nbytes(self) -> int:
-        return sum((self.path / s["file"]).stat().st_size for s in self.index["shards"])
+        return sum((self.path / f).stat().st_size for s in self.index["shards"]
+                   for f in [s["file"], *s.get("files", {}).values()])
 
 
 def _trim_heap() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,13 @@ from fastmtp_sglang.training.features import (FEATURE_DTYPES, FORMAT, INDEX, Fea
 
 SOURCE = "fastmtp distill --with-features"
 DATA = "shard-00000.safetensors"
+# with top-k (in-process generation keeps them: decode/capture.py): one file per tensor, rows
+# appended in step with DATA's
+TOPK_FILES = {"topk_ids": "topk-ids.safetensors", "topk_logp": "topk-logp.safetensors"}
 STAGED = "staged.jsonl"
 META = "staging.json"
 HEADER_BYTES = 4096 - 8   # reserved for the safetensors header (one tensor's JSON: ~80 bytes)
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32"}
 ENABLE = ("start it with --enable-return-hidden-states (SGLang, or `fastmtp serve --engine "
           "reference`)")
 
@@ -90,10 +93,10 @@ def hidden_rows(reply: dict[str, Any], url: str, prompt_len: int, width: int) ->
     return rows
 
 
-def _header(rows: int, width: int, dtype: torch.dtype) -> bytes:
+def _header(rows: int, width: int, dtype: torch.dtype, name: str = "hidden") -> bytes:
     nbytes = rows * width * dtype.itemsize
-    h = json.dumps({"hidden": {"dtype": _ST_DTYPES[dtype], "shape": [rows, width],
-                               "data_offsets": [0, nbytes]}}).encode()
+    h = json.dumps({name: {"dtype": _ST_DTYPES[dtype], "shape": [rows, width],
+                           "data_offsets": [0, nbytes]}}).encode()
     return struct.pack("<Q", HEADER_BYTES) + h + b" " * (HEADER_BYTES - len(h))
 
 
@@ -107,9 +110,10 @@ def _raw(t: torch.Tensor) -> bytes:
 class FeatureSink:
     """The hidden states of one ``distill --with-features`` run (see the module docstring).
 
-    ``width``: the row width (the target's hidden size); ``dtype``: a FEATURE_DTYPES name."""
+    ``width``: the row width (the target's hidden size); ``dtype``: a FEATURE_DTYPES name;
+    ``topk``: top-k columns kept per row beside them (0: none, what a server returns)."""
 
-    def __init__(self, out: str | Path, width: int, dtype: str):
+    def __init__(self, out: str | Path, width: int, dtype: str, topk: int = 0):
         if dtype not in FEATURE_DTYPES:
             raise FastMTPError(f"--feature-dtype must be one of {', '.join(FEATURE_DTYPES)}, "
                                f"got {dtype!r}")
@@ -117,9 +121,20 @@ class FeatureSink:
         self.work = self.out.parent / f".{self.out.name}.distill"
         self.width, self.dtype_name, self.dtype = width, dtype, FEATURE_DTYPES[dtype]
         self.row_bytes = width * self.dtype.itemsize
+        self.topk = topk
+        # file -> (tensor name, columns, dtype): the states, and the top-k when kept
+        self.files = {DATA: ("hidden", width, self.dtype)}
+        if topk:
+            self.files[TOPK_FILES["topk_ids"]] = ("topk_ids", topk, torch.int32)
+            self.files[TOPK_FILES["topk_logp"]] = ("topk_logp", topk, torch.float16)
         self.staged: dict[str, tuple[int, int]] = {}  # sample id -> (first row, rows)
         self.rows = 0
-        self._f = self._fs = None
+        self._f: dict[str, Any] = {}
+        self._fs = None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return {"width": self.width, "dtype": self.dtype_name, **({"topk": self.topk} if self.topk else {})}
 
     # -- opening (resuming) -----------------------------------------------------------------
     def check(self) -> None:
@@ -136,20 +151,21 @@ class FeatureSink:
         where = self.work if self.work.exists() else self.out if self.out.exists() else None
         if where is not None:
             meta = _read_json(where / META)
-            want = {"width": self.width, "dtype": self.dtype_name}
-            if meta != want:
+            if meta != self.meta:
                 raise FastMTPError(f"{where} holds hidden states of {meta}, this run's are "
-                                   f"{want}: use another --with-features path (or the same "
-                                   "--feature-dtype)")
+                                   f"{self.meta}: use another --with-features path (or the same "
+                                   "--feature-dtype and --feature-topk)")
         self.staged = self._read_staged(where)
         self.rows = max((a + n for a, n in self.staged.values()), default=0)
 
     def _read_staged(self, where: Path | None) -> dict[str, tuple[int, int]]:
         """Sample id -> (first row, rows), for the samples whose rows are all in the data file.
         A later line for an id wins (a sample asked again)."""
-        if where is None or not (where / STAGED).is_file() or not (where / DATA).is_file():
+        if where is None or not (where / STAGED).is_file() or not all((where / f).is_file()
+                                                                      for f in self.files):
             return {}
-        have = ((where / DATA).stat().st_size - 8 - HEADER_BYTES) // self.row_bytes
+        have = min(((where / f).stat().st_size - 8 - HEADER_BYTES) // (cols * dt.itemsize)
+                   for f, (_, cols, dt) in self.files.items())
         staged: dict[str, tuple[int, int]] = {}
         lines = (where / STAGED).read_text(encoding="utf-8", errors="replace").split("\n")
         for line in lines[:-1]:  # the last piece: "" or a line cut by a crash
@@ -172,17 +188,18 @@ class FeatureSink:
             os.replace(self.out, self.work)
             (self.work / INDEX).unlink(missing_ok=True)
         self.work.mkdir(parents=True, exist_ok=True)
-        _write_json(self.work / META, {"width": self.width, "dtype": self.dtype_name})
-        data = self.work / DATA
-        if not data.exists():
-            data.write_bytes(_header(0, self.width, self.dtype))
+        _write_json(self.work / META, self.meta)
+        for f, (name, cols, dt) in self.files.items():
+            if not (self.work / f).exists():
+                (self.work / f).write_bytes(_header(0, cols, dt, name))
         # staged.jsonl again, whole lines only, in row order (drops cut and orphaned lines)
         atomic_write(self.work / STAGED, "".join(
             json.dumps({"id": i, "row": a, "rows": n}) + "\n"
             for i, (a, n) in sorted(self.staged.items(), key=lambda kv: kv[1][0])))
-        self._f = open(data, "r+b")
-        self._f.truncate(8 + HEADER_BYTES + self.rows * self.row_bytes)
-        self._f.seek(0, os.SEEK_END)
+        for f, (_, cols, dt) in self.files.items():
+            fh = self._f[f] = open(self.work / f, "r+b")
+            fh.truncate(8 + HEADER_BYTES + self.rows * cols * dt.itemsize)
+            fh.seek(0, os.SEEK_END)
         self._fs = open(self.work / STAGED, "a", encoding="utf-8")
 
     def missing(self, ids: list[str]) -> list[str]:
@@ -190,35 +207,63 @@ class FeatureSink:
         return [i for i in ids if i not in self.staged]
 
     # -- writing ----------------------------------------------------------------------------
-    def add(self, sample_id: str, rows: torch.Tensor) -> None:
-        """Append one sample's rows [P + N - 1, width] (and the zero row of its last position);
-        call before its line goes to the data file."""
-        t = torch.cat([rows.to(self.dtype), torch.zeros(1, self.width, dtype=self.dtype)])
-        self._f.write(_raw(t))
-        self._f.flush()
-        self._fs.write(json.dumps({"id": sample_id, "row": self.rows, "rows": len(t)}) + "\n")
+    def add(self, sample_id: str, rows: torch.Tensor,
+            topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Append one sample's rows [P + N - 1, width] (and the zero row of its last position),
+        with ``topk`` (ids, log-probabilities) [P + N - 1, k] when the sink keeps them; call
+        before its line goes to the data file."""
+        parts = [rows]
+        if self.topk:
+            if topk is None or topk[0].shape != (len(rows), self.topk):
+                raise AssertionError(f"sample {sample_id}: top-k of shape "
+                                     f"{None if topk is None else tuple(topk[0].shape)}, need "
+                                     f"({len(rows)}, {self.topk})")
+            parts += list(topk)
+        for f, t in zip(self.files, parts):
+            _, cols, dt = self.files[f]
+            self._f[f].write(_raw(torch.cat([t.to(dt), torch.zeros(1, cols, dtype=dt)])))
+            self._f[f].flush()
+        t = parts[0]
+        self._fs.write(json.dumps({"id": sample_id, "row": self.rows, "rows": len(t) + 1}) + "\n")
         self._fs.flush()
-        self.staged[sample_id] = (self.rows, len(t))
-        self.rows += len(t)
+        self.staged[sample_id] = (self.rows, len(t) + 1)
+        self.rows += len(t) + 1
 
     def close(self) -> None:
-        for f in (self._f, self._fs):
+        for f in [*self._f.values(), self._fs]:
             if f is not None:
                 f.close()
-        self._f = self._fs = None
+        self._f, self._fs = {}, None
 
     # -- the cache ----------------------------------------------------------------------------
     def finish(self, data_file: str | Path, key: FeatureKey, tokenizer, vocab_size: int,
                hidden_size: int) -> FeatureStore:
         """Index the rows of ``data_file``'s usable sequences as ``fastmtp train`` reads them
-        (``key``: the cache key for that file) and publish the directory as the cache."""
-        from fastmtp_sglang.training.data import load_examples
+        (``key``: the cache key for that file) and publish the directory as the cache.
+
+        When some of its samples have no rows here (written by a run without --with-features),
+        the cache covers the others: their lines are copied to ``data.jsonl`` inside it, the
+        key is that file's, and the index says ``"partial"``; ``fastmtp features --data
+        DATA_FILE --reuse CACHE`` then builds the whole file's cache running the target over
+        the missing rows only. Either way the index records its data file (``"data"``)."""
+        from fastmtp_sglang.training.data import file_sha256, load_examples
+        from fastmtp_sglang.training.distill_io import atomic_write
 
         self.close()
         data_file = Path(data_file)
-        examples, _ = load_examples(data_file, tokenizer, vocab_size, key.max_len, 1,
-                                    key.max_sequences)
         line_ids = _line_ids(data_file)
+        examples, _ = load_examples(data_file, tokenizer, vocab_size, key.max_len, 1, key.max_sequences)
+        missing = [e for e in examples if line_ids.get(e.line) not in self.staged]
+        partial = None
+        if missing:  # the lines whose samples have rows, as a data file of their own
+            lines = data_file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+            keep = [ln for n, ln in enumerate(lines, start=1) if line_ids.get(n) in self.staged]
+            atomic_write(self.work / "data.jsonl", "".join(keep))
+            partial = {"rows": len(examples) - len(missing), "of": len(examples), "file": str(data_file)}
+            data_file = self.work / "data.jsonl"
+            key = replace(key, data_sha256=file_sha256(data_file))
+            line_ids = _line_ids(data_file)
+            examples, _ = load_examples(data_file, tokenizer, vocab_size, key.max_len, 1, key.max_sequences)
         index_rows, lost = [], []
         for e in examples:
             sid = line_ids.get(e.line)
@@ -228,16 +273,22 @@ class FeatureSink:
                 continue
             index_rows.append([0, loc[0], len(e.ids)])
         if lost:
-            raise FastMTPError(f"{len(lost)} samples of {data_file} have no hidden states in "
-                               f"{self.work} (first {lost[0]!r}; written by a run without "
-                               "--with-features?): distil into a new --out")
-        with open(self.work / DATA, "r+b") as f:
-            f.truncate(8 + HEADER_BYTES + self.rows * self.row_bytes)
-            f.write(_header(self.rows, self.width, self.dtype))
+            raise FastMTPError(f"{len(lost)} samples of {data_file} have fewer rows than tokens in "
+                               f"{self.work} (first {lost[0]!r}): distil into a new --out")
+        for f, (name, cols, dt) in self.files.items():
+            with open(self.work / f, "r+b") as fh:
+                fh.truncate(8 + HEADER_BYTES + self.rows * cols * dt.itemsize)
+                fh.write(_header(self.rows, cols, dt, name))
+        shard = {"file": DATA, "tokens": self.rows}
+        if self.topk:
+            shard["files"] = dict(TOPK_FILES)
         index = {"format": FORMAT, "key": asdict(key), "hidden_size": hidden_size,
-                 "width": self.width, "shards": [{"file": DATA, "tokens": self.rows}],
+                 "width": self.width, "shards": [shard],
                  "rows": index_rows, "tokens": sum(r[2] for r in index_rows),
-                 "source": SOURCE, "last_row": "zeros (no server returns it; no loss reads it)"}
+                 "source": SOURCE, "last_row": "zeros (no server returns it; no loss reads it)",
+                 "data": str((self.out / "data.jsonl").resolve() if partial else data_file.resolve())}
+        if partial:
+            index["partial"] = partial
         _write_json(self.work / INDEX, index)
         os.replace(self.work, self.out)
         return FeatureStore(self.out, key)
