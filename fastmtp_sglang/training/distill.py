@@ -37,12 +37,14 @@ Output: one JSON object per line, one line per kept sample::
      "target", "completion_tokens"}
 
 Several ``--url``: each takes ``--concurrency`` requests at once, a request going to the
-server with the fewest in flight; they must serve the same model. ``--with-features F`` keeps the
-target's hidden states each reply carries (SGLang's ``return_hidden_states``) as the feature cache
-``fastmtp train --features F`` reads (training/features_server.py), for ``--max-len`` and
-``--feature-dtype``; ``--tokenizer`` (or the server's model_path) must then be the target's model
-directory, whose config, tokenizer and weight files make the cache's key. A server that returns
-no hidden states is refused with one line before anything is written.
+server with the fewest in flight; they must serve the same model. ``--with-features F`` writes
+the feature cache ``fastmtp train --features F`` reads (training/features_server.py), for
+``--max-len`` and ``--feature-dtype``, in the same pass: in process, from what the engine kept
+as it generated (decode/capture.py: states and ``--feature-topk`` log-probabilities); with
+``--url``, from the hidden states each reply carries (SGLang's ``return_hidden_states``), and
+``--tokenizer`` (or the server's model_path) must then be the target's model directory, whose
+config, tokenizer and weight files make the cache's key. A server that returns no hidden states
+is refused with one line before anything is written.
 
 Sampling defaults are FastMTP's (T=0.6, top-p 0.95, top-k 20). Each sample carries its own
 ``sampling_seed``, a hash of (``--seed``, prompt id, sample index), so a rerun asks for the same

@@ -1,4 +1,6 @@
-"""Features from the server that writes the data: ``fastmtp distill --url URL --with-features F``.
+"""Features from the run that writes the data: ``fastmtp distill --url URL --with-features F``
+(and in process, ``--target T``: the engine's kept states and top-k, decode/capture.py, written
+here the same way, the top-k as files of their own beside the states).
 
 Each ``/generate`` request also asks for the target's hidden states (SGLang's
 ``return_hidden_states: true``; the server must run with ``--enable-return-hidden-states``), and
