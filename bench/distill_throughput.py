@@ -15,6 +15,10 @@ each round, and reports the median. Tokens/s counts every generated token (kept 
 the wall time of the run. Nothing else should run meanwhile (docs/design.md section 6); the
 script records the load average before and after and the CPU.
 
+``--engines queue,capture`` adds the engine keeping what the feature cache stores (states and
+top-32 log-probabilities, decode/capture.py: ``distill --target --with-features``), beside the
+plain one: the cost of features kept in the same pass (the sink's disk writes are not counted).
+
 ``--engines slots`` measured the retired second batcher (``decode/batch_gen.py``, removed after
 commit 7e8d130: check that commit out to run it).
 """
@@ -63,7 +67,8 @@ def run_local(target, ids: list[list[int]], batch: int, max_new: int, engine: st
         w = worker(sub)
         t0 = time.perf_counter()
         futs = [w.submit(GenRequest(x, SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
-                                                      max_new_tokens=max_new, seed=i)))
+                                                      max_new_tokens=max_new, seed=i),
+                                    **({"features": 32} if engine == "capture" else {})))
                 for i, x in enumerate(sub)]
         w.close()
         w.run()  # on this (the main) thread: see GenWorker
@@ -73,7 +78,9 @@ def run_local(target, ids: list[list[int]], batch: int, max_new: int, engine: st
     reqs = [x for x in ids for _ in range(samples)]
     go(reqs[: min(len(reqs), max(2, batch // 4))])  # warm-up: shapes, allocator, threads
     toks, secs = go(reqs)
-    name = "engine at K=0 (decode/generator.py)" if engine == "queue" else "slot batcher (batch_gen.py, retired)"
+    name = {"queue": "engine at K=0 (decode/generator.py)",
+            "capture": "engine at K=0 keeping features (top-32)",
+            "slots": "slot batcher (batch_gen.py, retired)"}[engine]
     return {"engine": f"{name}, batch {batch}" + (f", {samples} samples a prompt" if samples > 1 else ""),
             "generator": engine, "batch": batch, "samples": samples, "prompts": len(reqs),
             "tokens": toks, "seconds": round(secs, 1), "tokens_per_s": round(toks / secs, 1)}
@@ -140,8 +147,8 @@ def main() -> int:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--engines", default="queue",
-                    help="in-process generators, comma-separated: queue (the engine, today's) "
-                         "and slots (the retired batcher)")
+                    help="in-process generators, comma-separated: queue (the engine, today's), "
+                         "capture (the engine keeping features) and slots (the retired batcher)")
     ap.add_argument("--samples", type=int, default=1, help="seeded samples of each prompt")
     ap.add_argument("--rounds", type=int, default=1, help="repeats of every in-process configuration")
     args = ap.parse_args()

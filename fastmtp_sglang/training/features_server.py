@@ -257,6 +257,7 @@ class FeatureSink:
         examples, _ = load_examples(data_file, tokenizer, vocab_size, key.max_len, 1, key.max_sequences)
         missing = [e for e in examples if line_ids.get(e.line) not in self.staged]
         partial = None
+        (self.work / "data.jsonl").unlink(missing_ok=True)  # an earlier stop's, when partial
         if missing:  # the lines whose samples have rows, as a data file of their own
             lines = data_file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
             keep = [ln for n, ln in enumerate(lines, start=1) if line_ids.get(n) in self.staged]
