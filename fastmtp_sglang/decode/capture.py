@@ -32,6 +32,13 @@ def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return top.indices.to(torch.int32), lp.to(torch.float16)
 
 
+def _own(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as a tensor of its own in host memory."""
+    if t is None:
+        return None
+    return t.detach().cpu() if t.device.type != "cpu" else t.detach().clone()
+
+
 class Capture:
     """One request's kept positions, in order: (states [m, W], top-k ids, top-k log-probs)."""
 
@@ -41,8 +48,8 @@ class Capture:
         self.rows = 0
 
     def add(self, states: torch.Tensor, ids: torch.Tensor | None, lp: torch.Tensor | None) -> None:
-        self.parts.append((states.detach().cpu(), None if ids is None else ids.cpu(),
-                           None if lp is None else lp.cpu()))
+        # copies: a view would keep the whole batch's tensor of that prefill or cycle alive
+        self.parts.append((_own(states), _own(ids), _own(lp)))
         self.rows += len(states)
 
     def finish(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
