@@ -218,11 +218,11 @@ def test_a_stream_nobody_reads_is_cut_off_and_aborted(target, monkeypatch, capfd
     queued its whole cumulative output: memory quadratic in the output); after the write
     timeout the connection is cut, the request aborted (still running: the engine is held at
     its gate when the timeout fires), and the log says why."""
-    from fastmtp_sglang.serving import app as app_module
+    from fastmtp_sglang.serving import app as app_module, http_transport
 
     eng = gated(target)
     queues = []
-    real_emitter, real_protocol = app_module._emitter, app_module._h11_protocol
+    real_emitter, real_protocol = app_module._emitter, http_transport.h11_protocol
 
     def recording(loop, queue):
         queues.append(queue)
@@ -241,7 +241,7 @@ def test_a_stream_nobody_reads_is_cut_off_and_aborted(target, monkeypatch, capfd
         return Watched
 
     monkeypatch.setattr(app_module, "_emitter", recording)
-    monkeypatch.setattr(app_module, "_h11_protocol", instrumented)
+    monkeypatch.setattr(http_transport, "h11_protocol", instrumented)
     params = {"temperature": 0, "max_new_tokens": 480, "ignore_eos": True}
     srv = server(eng, write_timeout_s=0.5, log_requests=True)
     # accepted sockets inherit a small send buffer (loopback's autotuned one takes megabytes)
