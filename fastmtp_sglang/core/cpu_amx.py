@@ -131,7 +131,9 @@ def cache_key(source: bytes, compiler_id: str, commands: list[list[str]]) -> str
 
 def _library_path(cc: str, source: Path = SOURCE, stem: str = "cpu_amx") -> tuple[Path, list[list[str]]]:
     cmds = _commands(cc, _loaded_openmp())
-    tag = cache_key(source.read_bytes(), _compiler_id(cc), cmds)
+    # (the headers beside it too: cpu_bf16.h, which both C files include)
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    tag = cache_key(text, _compiler_id(cc), cmds)
     return _cache_dir() / f"{stem}-{tag}.so", cmds
 
 

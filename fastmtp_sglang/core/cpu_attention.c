@@ -16,45 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
+
 #define BLK 64
-
-static inline float bf2f(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-__attribute__((target("avx512f")))
-static inline __m512 ld16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* exp(x) for 16 floats (x <= 0 here): x = n ln2 + r, e^r by its Taylor series to r^6, times 2^n */
-__attribute__((target("avx512f")))
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 int fastmtp_cpu_attention_version(void) { return 1; }
 
@@ -78,7 +42,7 @@ void fastmtp_decode_attn_bf16(const uint16_t *q, const uint16_t *k, const uint16
         const uint16_t *qb = q + ((size_t)bh * G) * D;
         for (int g = 0; g < G; g++) {
             for (int c = 0; c < C; c++) {
-                qv[g][c] = _mm512_mul_ps(ld16(qb + (size_t)g * D + 16 * c), _mm512_set1_ps(scale));
+                qv[g][c] = _mm512_mul_ps(bf16x16(qb + (size_t)g * D + 16 * c), _mm512_set1_ps(scale));
                 acc[g][c] = _mm512_setzero_ps();
             }
             m[g] = -INFINITY;
@@ -97,7 +61,7 @@ void fastmtp_decode_attn_bf16(const uint16_t *q, const uint16_t *k, const uint16
                 any = 1;
                 const uint16_t *kt = kb + (size_t)(t0 + j) * ks_t;
                 __m512 kc[16];
-                for (int c = 0; c < C; c++) kc[c] = ld16(kt + 16 * c);
+                for (int c = 0; c < C; c++) kc[c] = bf16x16(kt + 16 * c);
                 for (int g = 0; g < G; g++) {
                     __m512 d = _mm512_mul_ps(qv[g][0], kc[0]);
                     for (int c = 1; c < C; c++) d = _mm512_fmadd_ps(qv[g][c], kc[c], d);
@@ -133,7 +97,7 @@ void fastmtp_decode_attn_bf16(const uint16_t *q, const uint16_t *k, const uint16
                 if (ok && !ok[t0 + j]) continue;
                 const uint16_t *vt = vb + (size_t)(t0 + j) * vs_t;
                 __m512 vc[16];
-                for (int c = 0; c < C; c++) vc[c] = ld16(vt + 16 * c);
+                for (int c = 0; c < C; c++) vc[c] = bf16x16(vt + 16 * c);
                 for (int g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(s[g][j]);
                     for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, vc[c], acc[g][c]);
