@@ -64,3 +64,18 @@ def test_the_generator_hands_features_back(llama):
     reqs = [GenRequest(p, SamplingParams(max_new_tokens=9 + i), features=K_TOP) for i, p in enumerate(PROMPTS)]
     for req, r in zip(reqs, generate_all(eng, reqs, slots=2)):  # the third joins a running batch
         _check(t, req.input_ids, r.output_ids, r.features)
+
+
+def test_the_server_answers_hidden_states_from_what_the_engine_kept(llama):
+    """SGLang's return_hidden_states rows from Result.features, no second forward (model=None
+    would fail if one ran), equal to the target's states."""
+    from fastmtp_sglang.serving.hidden_states import sglang_hidden_states
+
+    t, _, _ = llama
+    r = ReferenceEngine(t, None, 0).generate(
+        [Request(PROMPTS[2], SamplingParams(max_new_tokens=9), features=0)])[0]
+    rows = sglang_hidden_states(None, PROMPTS[2], r.output_ids, r.features)
+    assert len(rows[0]) == len(PROMPTS[2]) and len(rows) == 1 + len(r.output_ids) - 1
+    got = torch.cat([torch.tensor(rows[0]), torch.tensor(rows[1:])])
+    torch.testing.assert_close(got, _reference(t, PROMPTS[2], r.output_ids)[0], rtol=1e-4, atol=1e-4)
+    assert r.features[1] is None and r.features[2] is None  # k = 0: states only

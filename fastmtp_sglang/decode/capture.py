@@ -1,9 +1,11 @@
 """What a request asks the engine to keep for training (``Request.features = k``): the target's
 state at every position it fed, and the top-k log-probabilities of the next token there.
 
-A training row of prompt P and response of N tokens needs, at positions 0 .. P + N - 2, the head's
-input from the target (post-norm hidden state, or with aux layers the wider head input) and, for
-``--loss kl``, the target's top-k ``log_softmax`` (training/features.py stores the same). The
+A training row of prompt P and response of N tokens needs, at positions 0 .. P + N - 2, the
+target's post-norm hidden state and, for ``--loss kl``, its top-k ``log_softmax``
+(training/features.py stores the same for a last-layer head; a head fusing middle layers needs
+more, which this does not keep). SGLang's ``return_hidden_states`` returns the same rows, so the
+reference server answers it from here too (serving/worker.py). The
 engine computes all of it while it generates: the prefill's states at the prompt positions and,
 each cycle, the states and logits of the positions it verified. Keeping them makes
 ``fastmtp distill --target ... --with-features`` write the feature cache in the same pass, where
@@ -40,7 +42,7 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Capture:
-    """One request's kept positions, in order: (states [m, W], top-k ids, top-k log-probs)."""
+    """One request's kept positions, in order: (states [m, H], top-k ids, top-k log-probs)."""
 
     def __init__(self, k: int):
         self.k = k
@@ -64,11 +66,10 @@ class Capture:
                 torch.cat([p[2] for p in self.parts])[:rows])
 
 
-def capture_prompts(rows, feats: torch.Tensor, hidden: torch.Tensor, lens: torch.Tensor,
-                    src: list[int], lm_head) -> None:
-    """After a prefill: each capturing row keeps its prompt positions. ``feats`` / ``hidden``
-    [B, L, *]: the head's input and the post-norm state per row; ``src[i]``: the first row with
-    row i's prompt (its log-probabilities are computed once and shared)."""
+def capture_prompts(rows, hidden: torch.Tensor, lens: torch.Tensor, src: list[int], lm_head) -> None:
+    """After a prefill: each capturing row keeps its prompt positions. ``hidden`` [B, L, H]: the
+    post-norm states per row; ``src[i]``: the first row with row i's prompt (its
+    log-probabilities are computed once and shared)."""
     ks = [r.capture.k for r in rows if r.capture is not None]
     if not ks:
         return
@@ -80,12 +81,12 @@ def capture_prompts(rows, feats: torch.Tensor, hidden: torch.Tensor, lens: torch
         if src[i] not in done:
             done[src[i]] = topk_logp(lm_head(hidden[i, :n]), max(ks))
         ids, lp = done[src[i]]
-        r.capture.add(feats[i, :n], None if ids is None else ids[:, :k], None if lp is None else lp[:, :k])
+        r.capture.add(hidden[i, :n], None if ids is None else ids[:, :k], None if lp is None else lp[:, :k])
 
 
-def capture_verified(rows, feats: torch.Tensor, logits: torch.Tensor, acc: torch.Tensor) -> None:
+def capture_verified(rows, hidden: torch.Tensor, logits: torch.Tensor, acc: torch.Tensor) -> None:
     """After a verify: each capturing row keeps the positions it fed and accepted (the pending
-    token and its accepted drafts: ``acc + 1``). ``feats`` [n, K+1, W], ``logits`` [n, K+1, V]."""
+    token and its accepted drafts: ``acc + 1``). ``hidden`` [n, K+1, H], ``logits`` [n, K+1, V]."""
     js = [j for j, r in enumerate(rows) if r.capture is not None]
     if not js:
         return
@@ -95,5 +96,5 @@ def capture_verified(rows, feats: torch.Tensor, logits: torch.Tensor, acc: torch
     counts = (acc[sel] + 1).tolist()
     for n, (j, m) in enumerate(zip(js, counts)):
         kj = rows[j].capture.k
-        rows[j].capture.add(feats[j, :m], None if ids is None else ids[n, :m, :kj],
+        rows[j].capture.add(hidden[j, :m], None if ids is None else ids[n, :m, :kj],
                             None if lp is None else lp[n, :m, :kj])

@@ -66,7 +66,8 @@ class Result:
     finish_reason: dict[str, Any]
     metrics: RequestMetrics
     rid: str | None = None
-    # Request.features: (states [P + N - 1, W], top-k ids int32, top-k log-probs fp16 or None)
+    # Request.features: (post-norm states [P + N - 1, H], top-k ids int32, top-k log-probs fp16
+    # or None)
     features: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
@@ -291,7 +292,7 @@ class ReferenceEngine:
             hidden = hidden[pick]
         else:
             hidden, feats = self._target(ids, ar[None].expand(B, L), b.valid.long(), b.cache)  # [B, L, H]
-        capture_prompts(b.rows, feats, hidden, lens, src, self.target.lm_head)
+        capture_prompts(b.rows, hidden, lens, src, self.target.lm_head)
         last_h = hidden[torch.arange(B, device=dev), lens - 1]                       # [B, H]
         b.pending = b.sample(self.target.lm_head(last_h).float())         # [B]
         b.pos = lens.clone()                                  # position of `pending`, per row
@@ -472,7 +473,7 @@ class ReferenceEngine:
             acc = torch.cat([a for a, _ in parts])
             emitted = torch.cat([torch.nn.functional.pad(e, (0, Kc - c), value=-1)
                                  for (_, e), c in zip(parts, cap)])
-        capture_verified(b.rows, vf, tlogits, acc)  # (rows that keep features: decode/capture.py)
+        capture_verified(b.rows, vh, tlogits, acc)  # (rows that keep features: decode/capture.py)
         # rollback: hide the slots of rejected drafts; crop what no row uses
         slot = torch.arange(Kc + 1, device=dev)[None]
         b.valid[:, -(Kc + 1):] = slot <= acc[:, None]

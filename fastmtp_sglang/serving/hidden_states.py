@@ -6,10 +6,11 @@ SGLang appends, per request, the prefill's rows as one block (the prompt positio
 then one row per decode step (the state of the token that step fed, [H]). The last generated
 token is never fed, so the rows cover positions 0 .. P + N - 2. Each is the target's last hidden
 state after its final norm (Llama / Qwen2 / Qwen3 in SGLang: the model's ``final_norm`` output,
-what the logits processor receives). The reference engine does not keep its per-cycle states
-(the draft extend consumes them), so the rows are recomputed in one forward over prompt +
-output[:-1] when the request has finished: the same positions and the same values up to the
-rounding of another batch shape.
+what the logits processor receives). The reference engine keeps the states it computed for such
+a request (decode/capture.py: the prefill's and each cycle's fed positions), as SGLang returns
+its own. A resumed stream that needed no further run has none kept: its rows are recomputed in
+one forward over prompt + output[:-1] (the same positions and values up to the rounding of
+another batch shape).
 """
 
 from __future__ import annotations
@@ -18,17 +19,23 @@ import torch
 
 
 @torch.inference_mode()
-def sglang_hidden_states(model, input_ids: list[int], output_ids: list[int]) -> list:
+def sglang_hidden_states(model, input_ids: list[int], output_ids: list[int], kept=None) -> list:
     """``[prefill rows [P][H], row [H], ...]`` (N - 1 decode rows) for a request with prompt
     ``input_ids`` (P) and output ``output_ids`` (N >= 1; N = 0 gives the prefill block alone).
 
-    ``model``: a transformers causal LM (``model.model`` returns ``last_hidden_state``, post-norm).
+    ``kept``: the engine's ``Result.features`` for the request (its states [P + N - 1, H] come
+    first), or None: then ``model`` (a transformers causal LM whose ``model.model`` returns the
+    post-norm ``last_hidden_state``) computes them.
     """
-    ids = list(input_ids) + list(output_ids[:-1])
-    dev = next(model.parameters()).device
-    h = model.model(input_ids=torch.tensor([ids], device=dev)).last_hidden_state[0]  # [P+N-1, H]
-    h = h.float().cpu()
     p = len(input_ids)
+    want = p + max(len(output_ids), 1) - 1
+    if kept is not None and len(kept[0]) == want:
+        h = kept[0].float().cpu()
+    else:
+        ids = list(input_ids) + list(output_ids[:-1])
+        dev = next(model.parameters()).device
+        h = model.model(input_ids=torch.tensor([ids], device=dev)).last_hidden_state[0]  # [P+N-1, H]
+        h = h.float().cpu()
     return [h[:p].tolist()] + h[p:].tolist()
 
 

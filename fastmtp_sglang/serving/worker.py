@@ -529,7 +529,9 @@ class EngineWorker:
             job.out_ids = list(job.prefix)
             if job.prefix:
                 params.max_new_tokens = max(params.max_new_tokens - len(job.prefix), 1)
-            job.req = Request(job.input_ids + job.prefix, params, job.inp.rid)
+            # return_hidden_states: the engine keeps the states it computes (decode/capture.py)
+            job.req = Request(job.input_ids + job.prefix, params, job.inp.rid,
+                              features=0 if job.inp.return_hidden_states else None)
             if job.closed:  # aborted while we were getting here: stop at once
                 job.req.params.max_new_tokens = 0
         return job.req
@@ -546,9 +548,9 @@ class EngineWorker:
                 finish["length"] = len(ids)
             res = dataclasses.replace(res, output_ids=ids, text=text, finish_reason=finish)
         out = self._response(job, res)
-        if job.inp.return_hidden_states:  # SGLang's rows, recomputed (serving/hidden_states.py)
+        if job.inp.return_hidden_states:  # SGLang's rows (serving/hidden_states.py)
             out["meta_info"]["hidden_states"] = sglang_hidden_states(
-                self.engine.model, job.input_ids, out["output_ids"])
+                self.engine.model, job.input_ids, out["output_ids"], res.features)
         acc = [c.accepted for c in res.metrics.cycles]
         if not self._finish(job, "done", out, count=lambda: self.stats.add_result(
                 len(job.input_ids), len(res.output_ids), acc)) or job.internal:
