@@ -1,5 +1,6 @@
 """The reference server's transport: uvicorn with our h11 protocol, the listening socket and the
-stop signals (serving/app.py is the HTTP side above it: routes and streams).
+stop signals (serving/app.py is the HTTP side above it: routes and streams). ``srv`` below is
+app.ReferenceServer (its limits, stats and drain), not imported here: app imports this module.
 
 What a hostile client can hold is bounded here: connections past ``max_connections`` are answered
 503 as they open; a request's headers must arrive within ``read_timeout_s`` on every request of
@@ -18,10 +19,7 @@ import socket
 import sys
 import threading
 from http import HTTPStatus
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fastmtp_sglang.serving.app import ReferenceServer
+from typing import Any
 
 CLOSE_REASON = "fastmtp_close_reason"  # scope["state"] key: why our protocol cut a connection
 
@@ -51,7 +49,7 @@ def refusal_bytes(message: str, retry_after: int) -> bytes:
     return head.encode() + body
 
 
-def h11_protocol(srv: "ReferenceServer"):
+def h11_protocol(srv: Any):
     """uvicorn's h11 protocol with three limits uvicorn lacks:
 
     - **headers**: a connection is closed when a request's headers have not arrived within
@@ -158,7 +156,7 @@ def h11_protocol(srv: "ReferenceServer"):
     return Protocol
 
 
-def make_uvicorn(srv: "ReferenceServer"):
+def make_uvicorn(srv: Any):
     """uvicorn.Server over ``srv.app`` with our shutdown: SIGTERM / SIGINT start a graceful drain
     (uvicorn's own handler re-raises the signal once it is done, so the process would exit -15 or
     130), and a second signal aborts the requests left at once instead of cutting their
