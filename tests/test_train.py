@@ -459,6 +459,32 @@ def test_resume_reproduces_uninterrupted_run(toy):
               resume=root / "halves", progress=False)
 
 
+def test_warm_restart_records_the_lineage(toy):
+    """A head continued from a trained head says which runs made it and their summed steps; a
+    resumed continuation keeps that lineage instead of adding itself to it."""
+    target, data, init, root, _ = toy
+    first = train(small_cfg(epochs=1), target, data, root / "lin1", init=init, progress=False)
+    meta1 = json.loads((root / "lin1" / "config.json").read_text())["fastmtp"]
+    assert "lineage" not in meta1  # from an untrained init
+    assert meta1["training"]["optimizer_steps_cumulative"] == first.global_step
+    second = train(small_cfg(epochs=1, lr=1e-3), target, data, root / "lin2", init=root / "lin1",
+                   progress=False)
+    meta2 = json.loads((root / "lin2" / "config.json").read_text())["fastmtp"]
+    (entry,) = meta2["lineage"]
+    assert entry["optimizer_steps"] == first.global_step and entry["lr"] == 3e-3
+    assert entry["init"] == str(init) and entry["data_sha256"] == meta1["training"]["data_sha256"]
+    assert meta2["training"]["optimizer_steps_cumulative"] == first.global_step + second.global_step
+    half = train(small_cfg(epochs=2, halt_after_steps=2), target, data, root / "lin3",
+                 init=root / "lin2", progress=False)
+    resumed = train(small_cfg(epochs=2), target, data, root / "lin3", resume=root / "lin3",
+                    progress=False)
+    assert half.global_step == 2 and resumed.finished
+    meta3 = json.loads((root / "lin3" / "config.json").read_text())["fastmtp"]
+    assert [e["optimizer_steps"] for e in meta3["lineage"]] == [first.global_step, second.global_step]
+    assert meta3["training"]["optimizer_steps_cumulative"] == (
+        first.global_step + second.global_step + resumed.global_step)
+
+
 def test_vanilla_trains_step_one_only(toy):
     target, data, init, root, _ = toy
     van = train(small_cfg(epochs=1, vanilla=True), target, data, root / "vanilla", init=init, progress=False)

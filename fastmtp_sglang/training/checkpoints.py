@@ -79,6 +79,7 @@ class RunState:
     records: list[dict[str, Any]] = field(default_factory=list)
     wrote_out: bool = False
     ranks: Ranks = Ranks()
+    lineage: list[dict[str, Any]] = field(default_factory=list)  # the runs before --init's weights
     in_table: torch.Tensor | None = field(init=False)  # [V] bool on the CPU: ids in proj's table
 
     def __post_init__(self) -> None:
@@ -136,6 +137,7 @@ class RunState:
             "data": str(ds.path), "data_sha256": ds.sha256, "data_counts": asdict(ds.counts),
             "sequences_train": len(ds.train_idx), "sequences_heldout": len(ds.held_idx),
             "optimizer_steps": self.global_step, "optimizer_steps_total": self.total, "finished": finished,
+            "optimizer_steps_cumulative": self.global_step + sum(e["optimizer_steps"] for e in self.lineage),
             "epochs_done": epoch if batch_pos == 0 else epoch + (batch_pos / self.n_batches),
             "last_train": _last_train(self.records, self.log_lines),
             "heldout": last_eval,
@@ -144,7 +146,32 @@ class RunState:
             "init": str(init) if init is not None else self.draft.meta.get("training", {}).get("init"),
             "config": asdict(cfg),
         }
+        if self.lineage:
+            meta["lineage"] = self.lineage
         return config
+
+
+def lineage_of(meta: dict[str, Any], resumed: bool) -> list[dict[str, Any]]:
+    """The training runs behind a draft's weights, oldest first (``fastmtp.lineage``).
+
+    A run that starts from a trained head (a warm restart: ``--init`` of a head ``fastmtp train``
+    wrote) adds that head's run to the head's own lineage, so a head continued across sessions
+    says how many optimizer steps, and on which data, made it. A resumed run keeps its
+    checkpoint's lineage; a head from ``init-head`` has none."""
+    lineage = [dict(e) for e in meta.get("lineage") or []]
+    t = meta.get("training")
+    if resumed or not t:
+        return lineage
+    c = t.get("config") or {}
+    lineage.append({
+        "data": t.get("data"), "data_sha256": t.get("data_sha256"),
+        "sequences_train": t.get("sequences_train"), "optimizer_steps": int(t.get("optimizer_steps") or 0),
+        "epochs_done": t.get("epochs_done"), "finished": t.get("finished"),
+        "lr": c.get("lr"), "loss": c.get("loss"), "batch_size": c.get("batch_size"),
+        "vocab": t.get("vocab"), "init": t.get("init"),
+        "heldout_tau_walk": (t.get("heldout") or {}).get("tau_walk"),
+    })
+    return lineage
 
 
 def _last_train(records: list[dict[str, Any]], log_lines: list[str]) -> dict[str, Any] | None:

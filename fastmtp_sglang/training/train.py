@@ -72,7 +72,7 @@ from fastmtp_sglang.core.draft_dir import DraftDir, load_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead
 from fastmtp_sglang.training import parallel
-from fastmtp_sglang.training.checkpoints import LOG_NAME, RunState, load_trainer_state
+from fastmtp_sglang.training.checkpoints import LOG_NAME, RunState, lineage_of, load_trainer_state
 from fastmtp_sglang.training.config import TrainConfig, autocast, divergence, resume_mismatches
 from fastmtp_sglang.training.data import (HiddenStates, TrainData, collate, epoch_batches,
                                           file_sha256, load_examples, split_heldout)
@@ -142,6 +142,7 @@ def train(cfg: TrainConfig, target, data: str | Path, out: str | Path, init: str
     feed = _feature_source(cfg, target, ds, state, features, target_dir, feature_dtype, progress,
                            head.cfg.aux_hidden_states, ranks)
     run = _new_run(cfg, out, init, draft, head, proj, ds, feed, vocab_name, ranks)
+    run.lineage = lineage_of(draft.meta, resumed=state is not None)
     _restore_or_seed(run, state, resume)
     parallel.require_same(ranks, {
         "data": ds.sha256, "training rows": ds.train_idx, "settings": asdict(cfg),
