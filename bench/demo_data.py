@@ -1,7 +1,7 @@
 """Data files for the demo-target bench scripts (curve_demo.sh, ablation.sh, head_demo.sh),
 from one self-distilled file.
 
-    python bench/demo_data.py prefix   SRC DST TOKENS HELD [--disjoint]
+    python bench/demo_data.py prefix   SRC DST TOKENS HELD [--disjoint] [--from-row N]
     python bench/demo_data.py corpus   SRC DST HELD [--disjoint]
     python bench/demo_data.py prompts  DATA DST HELD
     python bench/demo_data.py mix      DATA GREEDY DST HELD
@@ -38,13 +38,17 @@ def _write(path: str, lines: list[str]) -> None:
         f.writelines(lines)
 
 
-def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False) -> None:
+def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False,
+           from_row: int | None = None) -> None:
     rows = _rows(src)
-    if len(rows) <= held:
-        sys.exit(f"{src} has {len(rows)} rows; {held} are held out")
+    start = held if from_row is None else from_row
+    if len(rows) <= max(held, start):
+        sys.exit(f"{src} has {len(rows)} rows; {held} are held out and training starts at row {start}")
+    if start < held:
+        sys.exit(f"--from-row {start} is inside the {held} held-out rows")
     held_prompts = {json.loads(x)["prompt_id"] for x in rows[:held]} if disjoint else set()
     take, n, skipped = [], 0, 0
-    for line in rows[held:]:
+    for line in rows[start:]:
         if n >= tokens * 1.05:
             break
         r = json.loads(line)
@@ -56,7 +60,7 @@ def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False) -
     if skipped:
         print(f"prefix: {skipped} rows skipped (their prompts are held out)", file=sys.stderr)
     if n < tokens:
-        print(f"prefix: only {n} response tokens after the held-out rows; larger points are "
+        print(f"prefix: only {n} response tokens from row {start}; larger points are "
               "skipped by fastmtp curve", file=sys.stderr)
     _write(dst, take + rows[:held])
     print(f"prefix: {len(take)} training rows ({n} response tokens) + {held} held-out rows -> {dst}")
@@ -103,7 +107,9 @@ def mix(data: str, greedy: str, dst: str, held: int) -> None:
 if __name__ == "__main__":
     cmd, *a = sys.argv[1:] or [""]
     if cmd == "prefix":
-        prefix(a[0], a[1], int(float(a[2])), int(a[3]), "--disjoint" in a[4:])
+        fr = a[a.index("--from-row") + 1] if "--from-row" in a else None
+        prefix(a[0], a[1], int(float(a[2])), int(a[3]), "--disjoint" in a[4:],
+               int(fr) if fr is not None else None)
     elif cmd == "corpus":
         corpus(a[0], a[1], int(a[2]), "--disjoint" in a[3:])
     elif cmd == "prompts":

@@ -9,6 +9,9 @@
 #       bash bench/pipelines/head_demo.sh runs/demo-pipeline-v2 runs/demo-pipeline-v2/head-steps
 #   INIT=D_TRAINED POINTS=1290000 EPOCHS=1 LR=3e-3 ...   # a warm restart from a trained head; link
 #       data.jsonl, features/ and table/ from the first run's OUT to reuse its feature cache
+#   INIT=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3 FROM_ROW=8094 DISJOINT=1 EPOCHS=1 LR=3e-3 \
+#       POINTS=1300000 ...   # continue the shipped head on the rows appended after its training
+#       rows (put its table at OUT/table/en-16384.pt first: a head keeps the table it learnt)
 #   REUSE=runs/data-v3/snap-15872.features ...   # copy the rows a finished cache over (a superset
 #       of) these rows holds instead of running the target again (`fastmtp features --reuse`)
 #
@@ -33,12 +36,14 @@ RESULTS=${RESULTS:-bench/results/head_demo}
 INIT=${INIT:-}                # a trained head to continue from (a warm restart); default: the pipeline's init head
 DISJOINT=${DISJOINT:-0}       # 1: no training row (or table text) shares a prompt with a held-out row
 REUSE=${REUSE:-}              # feature caches to copy rows from (space-separated)
+FROM_ROW=${FROM_ROW:-}        # training rows start at this row of distill.jsonl (default: after the
+                              # held-out rows); with INIT, a warm restart on rows the head never saw
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
 max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
 [[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD" \
-    $( ((DISJOINT)) && echo --disjoint )
+    $( ((DISJOINT)) && echo --disjoint ) ${FROM_ROW:+--from-row "$FROM_ROW"}
 TABLE=$OUT/table/en-$SIZE.pt
 if [[ ! -f $TABLE ]]; then
     "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD" \
