@@ -1,0 +1,76 @@
+"""The bench scripts that choose training rows and draw a head's lineage: bench/demo_data.py prefix
+(--from-row, --disjoint) and bench/head_lineage.py (steps counted across warm restarts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.fixture
+def distill(tmp_path):
+    """12 rows, 3 samples of 4 prompts (p0 p1 p2 p3 p0 p1 ...), 10 response tokens each."""
+    rows = [{"prompt_id": f"p{i % 4}", "prompt_ids": [1, 2], "response_ids": list(range(10)), "n": i}
+            for i in range(12)]
+    path = tmp_path / "distill.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _ns(path: Path) -> list[int]:
+    return [json.loads(x)["n"] for x in path.read_text().splitlines()]
+
+
+def test_prefix_from_row_keeps_the_heldout_rows_and_starts_later(distill, tmp_path):
+    out = tmp_path / "data.jsonl"
+    r = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--from-row", "8")
+    assert r.returncode == 0, r.stderr
+    assert _ns(out) == [8, 9, 10, 11, 0, 1]  # training rows from 8, then the 2 held-out rows
+    r = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--disjoint",
+             "--from-row", "6")
+    assert _ns(out) == [6, 7, 10, 11, 0, 1]  # rows 8, 9 share p0, p1 with the held-out rows
+    assert "2 rows skipped" in r.stderr
+    r = _run("bench/demo_data.py", "prefix", str(distill), str(out), "25", "2")
+    assert _ns(out) == [2, 3, 4, 0, 1]  # stops once 1.05 x 25 tokens are in
+    bad = _run("bench/demo_data.py", "prefix", str(distill), str(out), "100", "4", "--from-row", "2")
+    assert bad.returncode != 0 and "inside the 4 held-out rows" in bad.stderr
+
+
+def _curve(path: Path, steps: int, walks: list[float], served: float) -> str:
+    every = steps // len(walks)
+    point = {"arm": "fastmtp", "tokens": 1000, "rows": 10, "optimizer_steps": steps,
+             "heldout": {"tau_walk": 9.0}, "served_tau": {"3": served},
+             "step_curve": [{"step": every * (i + 1), "tau_walk": w, "A_k": [0.5]}
+                            for i, w in enumerate(walks)]}
+    path.write_text(json.dumps({"meta": {"cpu": "test"}, "points": [point]}))
+    return str(path)
+
+
+def test_lineage_counts_steps_across_warm_restarts(tmp_path):
+    a = _curve(tmp_path / "a.json", 100, [1.2, 1.4], 1.3)
+    b = _curve(tmp_path / "b.json", 60, [1.45, 1.5, 1.55], 1.42)
+    out = tmp_path / "lin"
+    r = _run("bench/head_lineage.py", "--run", f"first=run={a}", "--run", f"second={b}",
+             "--hline", "lookup=1.301", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((out / "lineage.json").read_text())
+    first, second = doc["runs"]
+    assert first["label"] == "first=run"  # the label may hold '=': the path is after the last one
+    assert [c["step"] for c in second["curve"]] == [120, 140, 160]
+    assert (second["steps_before"], second["steps_after"]) == (100, 160)
+    assert second["heldout_tau_walk"] == 1.55 and second["served_tau"] == 1.42
+    md = (out / "lineage.md").read_text()
+    assert "| second | 1,000 | 60 | 160 | 1.550 | 1.420 |" in md and "| lookup |" in md
+    assert (out / "lineage.png").stat().st_size > 1000
+    bad = _run("bench/head_lineage.py", "--run", a, "--out", str(out))
+    assert bad.returncode != 0 and "LABEL=VALUE" in bad.stderr
