@@ -485,6 +485,26 @@ def test_warm_restart_records_the_lineage(toy):
         first.global_step + second.global_step + resumed.global_step)
 
 
+def test_checkpoint_carries_the_init_tables(toy):
+    """The tables a head lists by file name travel into every checkpoint, so a trained head serves
+    (and benchmarks) from its directory as it is."""
+    import shutil
+    target, data, init, root, _ = toy
+    src = root / "init-with-table"
+    shutil.copytree(init, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["fastmtp"]["vocab_tables"] = ["tables/t.pt", "builtin:smollm2/zh-4096"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "tables").mkdir()
+    (src / "tables" / "t.pt").write_bytes(b"table bytes")
+    (src / "tables" / "t.json").write_text('{"size": 3}')
+    train(small_cfg(epochs=1), target, data, root / "with-table", init=src, progress=False)
+    out = root / "with-table"
+    assert (out / "tables" / "t.pt").read_bytes() == b"table bytes"
+    assert (out / "tables" / "t.json").read_text() == '{"size": 3}'
+    assert json.loads((out / "config.json").read_text())["fastmtp"]["vocab_tables"][0] == "tables/t.pt"
+
+
 def test_vanilla_trains_step_one_only(toy):
     target, data, init, root, _ = toy
     van = train(small_cfg(epochs=1, vanilla=True), target, data, root / "vanilla", init=init, progress=False)

@@ -364,3 +364,21 @@ def save_draft_dir(out: str | os.PathLike, config: dict[str, Any],
         why = getattr(exc, "strerror", None) or exc
         raise FastMTPError(f"cannot write {out}: {why}; nothing was written") from None
     return Path(out)
+
+
+def table_files(entries: Any) -> list[str]:
+    """The vocab tables a head lists as files relative to its directory (each with a .json
+    sidecar): they travel with the head; ``builtin:`` and absolute references need not."""
+    if isinstance(entries, dict):
+        entries = list(entries.values())
+    refs = [e.get("path") if isinstance(e, dict) else e for e in entries or []]
+    return [r for r in refs if isinstance(r, str) and not r.startswith("builtin:")
+            and not Path(r).is_absolute()]
+
+
+def copy_tables(entries: Any, src: Path, dst: Path) -> None:
+    for ref in table_files(entries):
+        for rel in (Path(ref), Path(ref).with_suffix(".json")):
+            if (src / rel).is_file():
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, dst / rel)

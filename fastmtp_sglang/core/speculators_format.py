@@ -33,7 +33,6 @@ has, so importing one is refused.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from safetensors.torch import save_file
 
 from fastmtp_sglang.core.layouts import BLOCK_NAMES, change_layout
 from fastmtp_sglang.core.draft_dir import (
-    ARCH_KEYS, CONFIG_NAME, WEIGHTS_NAME, atomic_dir, check_output, check_tensors,
+    ARCH_KEYS, CONFIG_NAME, WEIGHTS_NAME, atomic_dir, check_output, check_tensors, copy_tables,
     expected_shapes, load_draft_dir, make_draft_config, save_draft_dir,
 )
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
@@ -62,24 +61,6 @@ _TO_SPEC = {v: k for k, v in _NAMES.items()}
 # the verifier's tensors, which a saved MTPDraftModel may carry: not part of the head
 _VERIFIER = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
 _BLOCK_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
-def table_files(entries: Any) -> list[str]:
-    """The vocab tables a head lists as files relative to its directory (each with a .json
-    sidecar): they travel with the head; ``builtin:`` and absolute references need not."""
-    if isinstance(entries, dict):
-        entries = list(entries.values())
-    refs = [e.get("path") if isinstance(e, dict) else e for e in entries or []]
-    return [r for r in refs if isinstance(r, str) and not r.startswith("builtin:")
-            and not Path(r).is_absolute()]
-
-
-def copy_tables(entries: Any, src: Path, dst: Path) -> None:
-    for ref in table_files(entries):
-        for rel in (Path(ref), Path(ref).with_suffix(".json")):
-            if (src / rel).is_file():
-                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src / rel, dst / rel)
 
 
 def _verifier(head_cfg: dict[str, Any], verifier: str | None

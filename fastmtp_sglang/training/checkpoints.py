@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from fastmtp_sglang.core.draft_dir import save_draft_dir
+from fastmtp_sglang.core.draft_dir import copy_tables, save_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.training.parallel import Ranks
 
@@ -29,12 +29,17 @@ STATE_FORMAT = 1
 
 
 def write_checkpoint(out: Path, config: dict[str, Any], state_dict: dict[str, torch.Tensor],
-                     trainer_state: dict[str, Any], log_lines: list[str]) -> None:
+                     trainer_state: dict[str, Any], log_lines: list[str],
+                     tables_from: Path | None = None) -> None:
     """A draft directory plus trainer_state.pt and train_log.jsonl, atomically (replaces ``out``;
-    a failed write leaves the previous checkpoint intact)."""
+    a failed write leaves the previous checkpoint intact). ``tables_from``: the directory whose
+    table files ``config``'s ``fastmtp.vocab_tables`` names (the init's), copied beside the
+    weights so the checkpoint serves as it is."""
     def extra(tmp: Path) -> None:
         torch.save(trainer_state, tmp / STATE_NAME)
         (tmp / LOG_NAME).write_text("".join(line + "\n" for line in log_lines))
+        if tables_from is not None:
+            copy_tables((config.get("fastmtp") or {}).get("vocab_tables"), Path(tables_from), tmp)
 
     save_draft_dir(out, config, state_dict, overwrite=True, write_extra=extra)
 
@@ -105,7 +110,8 @@ class RunState:
             return
         trainer_state = self._trainer_state()
         config = self._draft_config(finished)
-        write_checkpoint(self.out, config, self.head.state_dict(), trainer_state, self.log_lines)
+        write_checkpoint(self.out, config, self.head.state_dict(), trainer_state, self.log_lines,
+                         tables_from=self.draft.path)
         self.wrote_out = True
 
     def _trainer_state(self) -> dict[str, Any]:
