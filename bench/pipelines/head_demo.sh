@@ -9,9 +9,10 @@
 #       bash bench/pipelines/head_demo.sh runs/demo-pipeline-v2 runs/demo-pipeline-v2/head-steps
 #   INIT=D_TRAINED POINTS=1290000 EPOCHS=1 LR=3e-3 ...   # a warm restart from a trained head; link
 #       data.jsonl, features/ and table/ from the first run's OUT to reuse its feature cache
-#   INIT=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3 FROM_ROW=8094 DISJOINT=1 EPOCHS=1 LR=3e-3 \
-#       POINTS=1300000 ...   # continue the shipped head on the rows appended after its training
-#       rows (put its table at OUT/table/en-16384.pt first: a head keeps the table it learnt)
+#   INIT=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3 FROM_ROW=15872 DISJOINT=1 EPOCHS=2 LR=3e-3 \
+#       POINTS=... ...   # continue the shipped head on the rows appended after its training rows
+#       (it was trained up to row 15,872; put its table at OUT/table/en-16384.pt first: a head keeps
+#       the table it learnt; POINTS at most the usable tokens `fastmtp curve` reports)
 #   REUSE=runs/data-v3/snap-15872.features ...   # copy the rows a finished cache over (a superset
 #       of) these rows holds instead of running the target again (`fastmtp features --reuse`)
 #
