@@ -120,8 +120,10 @@ def test_curve_trains_scores_and_serves_with_the_vocab_table(llama_target, tmp_p
     rc, _, err = run_cli("curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
                          "--tokens", "40", "--heldout-rows", "4", "--serve-steps", "2",
                          "--dev-prompts", dev, "--dev-max-new-tokens", "8", "--no-progress", "--",
-                         "--epochs", "1", "--batch-size", "4", "--max-len", "64", "--vocab", table)
+                         "--epochs", "1", "--batch-size", "4", "--max-len", "64", "--vocab", table,
+                         "--device", "cpu")
     assert rc == 0, err
+    assert json.loads((out / "curve.json").read_text())["meta"]["device"] == "cpu"
     (p,) = json.loads((out / "curve.json").read_text())["points"]
     assert p["heldout"]["tau_walk"] == 1.0 and 1.0 <= p["served_tau"]["2"] <= 3.0
     steps = [json.loads(x) for x in (out / "fastmtp" / "40" / "train_log.jsonl").read_text().splitlines()]
@@ -137,4 +139,16 @@ def test_curve_with_no_trainable_point_is_an_error(llama_target, tmp_path, run_c
                          "--tokens", "100000", "--heldout-rows", "4", "--no-progress", "--",
                          "--epochs", "1", "--batch-size", "4", "--max-len", "64")
     assert rc != 0 and "no point to train" in err and "smaller --tokens" in err
+    assert not (out / "curve.json").exists()
+
+
+def test_curve_arms_on_two_devices_is_an_error(llama_target, tmp_path, run_cli, tiny_tokenizer):
+    """--device reaches the curve (the target loads there); arms that disagree are refused
+    before anything loads."""
+    tdir, init, data, _, _ = _setup(llama_target, tmp_path, tiny_tokenizer)
+    out = tmp_path / "curve"
+    rc, _, err = run_cli("curve", "--target", tdir, "--init", init, "--data", data, "--out", out,
+                         "--tokens", "40", "--arm", "a=--device cpu", "--arm", "b=--device cuda",
+                         "--heldout-rows", "4", "--no-progress", "--", "--epochs", "1")
+    assert rc != 0 and "same --device" in err
     assert not (out / "curve.json").exists()

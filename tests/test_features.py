@@ -165,7 +165,7 @@ def test_features_cli(saved, tmp_path, run_cli):
     t, tdir, data, _ = saved
     out = tmp_path / "cli"
     rc, stdout, err = run_cli("features", "--target", tdir, "--data", data, "--out", out,
-                              "--max-len", "64", "--topk", "3", "--no-progress")
+                              "--max-len", "64", "--topk", "3", "--device", "cpu", "--no-progress")
     assert rc == 0, err
     assert "sequences" in stdout and (out / "index.json").is_file()
     rc, stdout, err = run_cli("features", "--target", tdir, "--data", data, "--out", out,

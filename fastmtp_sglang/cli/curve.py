@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     for arm in arms:  # what `fastmtp train` would run with the arm's flags
         ns = parser.parse_args(base + common + arm.flags)
         arm.cfg = _config_from_args(ns, None)
-        arm.target_dtype, arm.vocab = ns.dtype, ns.vocab
+        arm.target_dtype, arm.vocab, arm.device = ns.dtype, ns.vocab, ns.device
         arm.allow_base_mismatch = getattr(ns, "allow_base_mismatch", False)
     learning_curve(args.target, args.init, args.data, out, tokens, arms, serve_steps,
                    heldout_rows=args.heldout_rows, features=args.features,

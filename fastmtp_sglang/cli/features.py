@@ -18,7 +18,10 @@ def _run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.core.target import load_target
     from fastmtp_sglang.training.data import load_examples
 
-    target = load_target(args.target, dtype=args.dtype)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, dtype=args.dtype, device=device)
     vocab = int(target.config.get("vocab_size") or target.lm_head.weight.shape[0])
     examples, counts = load_examples(args.data, target.tokenizer, vocab, args.max_len, 1,
                                      args.max_sequences)
@@ -61,5 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="copy the rows this finished cache holds (same target and settings; "
                    "matched by token ids through the data file it recorded) instead of running "
                    "the target over them; repeatable")
+    p.add_argument("--device", default=None, help="where the target runs: cpu or cuda "
+                   "(default: cuda when available, as train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

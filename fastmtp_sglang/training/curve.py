@@ -54,6 +54,7 @@ class Arm:
     target_dtype: str = "float32"
     vocab: str | None = None
     allow_base_mismatch: bool = False
+    device: str | None = None  # --device: None = cuda when available, as `fastmtp train`
 
 
 def prefix_rows(examples, heldout_rows: int, tokens: list[int]) -> tuple[dict[int, int], int]:
@@ -120,7 +121,10 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     arm0, cfg0 = arms[0], arms[0].cfg
-    target = load_target(target_dir, dtype=arm0.target_dtype)
+    device = arm0.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if any((a.device or device) != device for a in arms):
+        raise FastMTPError("every arm of one curve trains on the same --device (pass it after --)")
+    target = load_target(target_dir, dtype=arm0.target_dtype, device=device)
     target.model.requires_grad_(False)
     vocab = int(target.config.get("vocab_size") or target.lm_head.weight.shape[0])
     examples, _ = load_examples(data, target.tokenizer, vocab, cfg0.max_len)
@@ -179,7 +183,7 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
                         features=feats, target_dir=target_dir, feature_dtype=feature_dtype,
                         allow_base_mismatch=arm.allow_base_mismatch, heldout=held)
             seconds = time.perf_counter() - t0
-            head = load_head(pdir, target.embed, target.lm_head, dtype=torch.float32)
+            head = load_head(pdir, target.embed, target.lm_head, dtype=torch.float32, device=device)
             proj = Projection(target.lm_head, vocab_ids)
             ev = evaluate(head, store, held, proj, max(serve_steps), cfg.batch_size, cfg.ce_chunk)
             point = {"arm": arm.name, "flags": arm.flags, "tokens": n, "rows": rows[n],
@@ -188,7 +192,7 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
                      "step_curve": step_curve(pdir)}
             if dev:
                 mdt = next(target.model.parameters()).dtype
-                h = load_head(pdir, target.embed, target.lm_head, dtype=mdt)
+                h = load_head(pdir, target.embed, target.lm_head, dtype=mdt, device=device)
                 point["served_tau"] = {str(k): v for k, v in served_tau(
                     target, h, dev, serve_steps, dev_max_new_tokens, draft_vocab).items()}
             points.append(point)
@@ -196,7 +200,9 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
                                  "data": data, "heldout_rows": heldout_rows,
                                  "serve_steps": serve_steps, "dev_prompts": dev_prompts,
                                  "dev_per_category": dev_per_category,
-                                 "available_tokens": available, "cpu": cpu_description()})
+                                 "available_tokens": available, "cpu": cpu_description(),
+                                 "device": (torch.cuda.get_device_name(torch.device(device))
+                                            if device.startswith("cuda") else "cpu")})
             print(f"curve: {arm.name} @ {n}: held-out tau_walk {ev['tau_walk']:.3f}"
                   + (f", served tau {point['served_tau']}" if dev else ""), file=sys.stderr)
     if not points:
