@@ -90,3 +90,29 @@ def test_response_batches_cut_on_padding_and_size():
     # a padded size of at most 30 tokens: two of 11-12 a batch
     assert response_batches(ex, rows, batch_tokens=30) == [[4], [0, 1], [2, 5], [3]]
     assert sorted(r for b in response_batches(ex, rows, 8) for r in b) == rows
+
+
+@pytest.mark.parametrize("topk", [5, 0])
+def test_per_batch_staging_stores_what_per_row_staging_stores(tmp_path, monkeypatch, topk):
+    """The GPU's way (a batch's positions scored in chunks that cut across rows, one copy to the
+    host per chunk) stores the same states and top-k as scoring each row on its own."""
+    from fastmtp_sglang.training import features as feat
+
+    t = tiny_target()
+    tdir = tmp_path / "target"
+    t.model.save_pretrained(str(tdir))
+    data = _data(tmp_path / "d.jsonl", seed=2)
+    ex = load_examples(data, None, V, 64)[0]
+    key = make_key(t, tdir, data, 64, None, "float32", topk)
+    ref = build_features(t, ex, tmp_path / "row", key, batch_tokens=200, progress=False,
+                         share_prompts=False, per_batch=False)
+    monkeypatch.setattr(feat, "STAGE_CHUNK", 7)
+    got = build_features(t, ex, tmp_path / "batch", key, batch_tokens=200, progress=False,
+                         share_prompts=False, per_batch=True)
+    assert got.index["tokens"] == ref.index["tokens"]
+    for i in range(len(ex)):
+        torch.testing.assert_close(got(i), ref(i), rtol=1e-5, atol=1e-5)
+        if topk:
+            a, b = got.topk(i), ref.topk(i)
+            assert torch.equal(a[0], b[0])
+            torch.testing.assert_close(a[1], b[1], rtol=1e-3, atol=1e-3)
