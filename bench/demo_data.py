@@ -5,6 +5,7 @@ from one self-distilled file.
     python bench/demo_data.py corpus   SRC DST HELD [--disjoint]
     python bench/demo_data.py prompts  DATA DST HELD
     python bench/demo_data.py mix      DATA GREEDY DST HELD
+    python bench/demo_data.py usable   DATA HELD TARGET MAX_LEN
 
 ``prefix``: the first HELD rows of SRC are the held-out rows (moved to the end of DST, where
 `fastmtp curve --heldout-rows HELD` takes them from); the training rows are read from row HELD on
@@ -20,6 +21,9 @@ shipped heads were trained on (101 such rows in their 7,872).
 ``mix``: DATA with the last sample of every prompt that has two or more replaced by that prompt's
 greedy continuation from GREEDY (when it survived distill's filters): the same prompts and the
 same number of rows, about a quarter of them greedy; held-out rows untouched.
+``usable``: "TOKENS ROWS", the response tokens and rows before DATA's last HELD rows as training
+reads them (TARGET's tokenizer, responses cut at MAX_LEN): the largest point `fastmtp curve
+--tokens` can train, known before any feature is computed.
 """
 
 from __future__ import annotations
@@ -104,6 +108,17 @@ def mix(data: str, greedy: str, dst: str, held: int) -> None:
     print(f"mix: {swapped} of {len(train)} training rows replaced by greedy continuations -> {dst}")
 
 
+def usable(data: str, held: int, target: str, max_len: int) -> tuple[int, int]:
+    from transformers import AutoTokenizer
+
+    from fastmtp_sglang.training.data import load_examples
+
+    tok = AutoTokenizer.from_pretrained(target)
+    ex, _ = load_examples(data, tok, len(tok), max_len)
+    pool = ex[: max(len(ex) - held, 0)]
+    return sum(len(e.ids) - e.prompt_len for e in pool), len(pool)
+
+
 if __name__ == "__main__":
     cmd, *a = sys.argv[1:] or [""]
     if cmd == "prefix":
@@ -116,5 +131,7 @@ if __name__ == "__main__":
         prompts(a[0], a[1], int(a[2]) if len(a) > 2 else 0)
     elif cmd == "mix":
         mix(a[0], a[1], a[2], int(a[3]))
+    elif cmd == "usable":
+        print(*usable(a[0], int(a[1]), a[2], int(a[3])))
     else:
         sys.exit(__doc__)

@@ -46,6 +46,17 @@ def test_prefix_from_row_keeps_the_heldout_rows_and_starts_later(distill, tmp_pa
     assert bad.returncode != 0 and "inside the 4 held-out rows" in bad.stderr
 
 
+def test_usable_counts_what_training_reads(llama_target, tmp_path):
+    """``usable``: response tokens and rows before the held-out tail, responses cut at max-len
+    (the largest point fastmtp curve can train; head_demo.sh checks POINTS against it)."""
+    rows = [{"prompt_id": f"p{i}", "prompt_ids": [1, 2, 3], "response_ids": list(range(4, 4 + n))}
+            for i, n in enumerate([10, 30, 5, 7])]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = _run("bench/demo_data.py", "usable", str(data), "1", str(llama_target.path), "20")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(10 + 17 + 5), "3"]  # 30 cut to 20 - 3; the last row held out
+
 def _curve(path: Path, steps: int, walks: list[float], served: float) -> str:
     every = steps // len(walks)
     point = {"arm": "fastmtp", "tokens": 1000, "rows": 10, "optimizer_steps": steps,

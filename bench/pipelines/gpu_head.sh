@@ -57,17 +57,7 @@ TABLE=$W/head/table/en-16384.pt
     --max-len 512 --topk 32 --dtype bfloat16 --device "$DEVICE" --no-progress
 stamp "features"
 
-# the training rows and their response tokens before the held-out rows, as fastmtp curve counts them
-read -r TOKENS ROWS <<< "$("$PYTHON" - "$T" "$W/head/data.jsonl" "$HELD" <<'PY'
-import sys
-from transformers import AutoTokenizer
-from fastmtp_sglang.training.data import load_examples
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-ex, _ = load_examples(sys.argv[2], tok, len(tok), 512)
-pool = ex[: len(ex) - int(sys.argv[3])]
-print(sum(len(e.ids) - e.prompt_len for e in pool), len(pool))
-PY
-)"
+read -r TOKENS ROWS <<< "$("$PYTHON" bench/demo_data.py usable "$W/head/data.jsonl" "$HELD" "$T" 512)"
 COMMON=(--steps 3 --batch-size "$BATCH" --max-len 512 --lr "$LR" --dtype bfloat16 --compute-dtype bfloat16
         --group-by-length --vocab "$TABLE" --loss kl --kl-topk 32 --device "$DEVICE")
 

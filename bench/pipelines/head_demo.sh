@@ -12,7 +12,7 @@
 #   INIT=fastmtp_sglang/data/heads/smollm2-135m-fastmtp-k3 FROM_ROW=15872 DISJOINT=1 EPOCHS=2 LR=3e-3 \
 #       POINTS=... ...   # continue the shipped head on the rows appended after its training rows
 #       (it was trained up to row 15,872; put its table at OUT/table/en-16384.pt first: a head keeps
-#       the table it learnt; POINTS at most the usable tokens `fastmtp curve` reports)
+#       the table it learnt; POINTS at most the usable tokens (checked before the features run), or all)
 #   REUSE=runs/data-v3/snap-15872.features ...   # copy the rows a finished cache over (a superset
 #       of) these rows holds instead of running the target again (`fastmtp features --reuse`)
 #
@@ -42,9 +42,19 @@ FROM_ROW=${FROM_ROW:-}        # training rows start at this row of distill.jsonl
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
-max=$(tr , '\n' <<< "$POINTS" | sort -n | tail -1)
+max=$([[ $POINTS == all ]] && echo 1000000000 || tr , "\n" <<< "$POINTS" | sort -n | tail -1)
 [[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD" \
     $( ((DISJOINT)) && echo --disjoint ) ${FROM_ROW:+--from-row "$FROM_ROW"}
+# the largest point must fit the usable tokens (cut at --max-len), known before the features run;
+# POINTS=all trains on all of them
+read -r usable _ <<< "$("$BIN/python" bench/demo_data.py usable "$OUT/data.jsonl" "$HELD" "$T" 512)"
+if [[ $POINTS == all ]]; then
+    POINTS=$usable
+elif (( max > usable )); then
+    echo "head_demo: POINTS asks for $max response tokens; $OUT/data.jsonl holds $usable usable" \
+        "ones before its held-out rows: lower POINTS (or POINTS=all)" >&2
+    exit 1
+fi
 TABLE=$OUT/table/en-$SIZE.pt
 if [[ ! -f $TABLE ]]; then
     "$BIN/python" bench/demo_data.py corpus "$W/distill.jsonl" "$OUT/table-corpus.jsonl" "$HELD" \
