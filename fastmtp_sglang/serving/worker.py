@@ -1,6 +1,7 @@
 """The reference server's engine side: the bounded queue, the loop that owns the engine and
 batches, failure isolation, abort, and the /server_info and /get_model_info data (the requests
-in flight and the counters are in fastmtp_sglang.serving.jobs).
+in flight and the counters are in fastmtp_sglang.serving.jobs, the answers' shape in
+fastmtp_sglang.serving.responses).
 
 ``EngineWorker`` is everything of the reference server but HTTP; ``ReferenceServer``
 (fastmtp_sglang.serving.app) puts FastAPI on uvicorn in front of it. The HTTP side uses
@@ -51,7 +52,8 @@ from fastmtp_sglang.serving.hidden_states import HIDDEN_STATES_OFF, sglang_hidde
 from fastmtp_sglang.serving.jobs import ServerStats, _Job, _rss_bytes, _Slot
 from fastmtp_sglang.serving.protocol import (
     MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
-    HTTPError, max_token_chars, parse_generate, public_finish_reason)
+    HTTPError, max_token_chars, parse_generate)
+from fastmtp_sglang.serving.responses import generate_response, resumed_result, stream_event, text_delta
 
 STOP_WORKER_S = 10.0       # after the last request is answered, how long to wait for the engine
 
@@ -538,16 +540,8 @@ class EngineWorker:
 
     def _answer(self, job: _Job, res, batch: int) -> None:
         if job.prefix:  # a resumed stream: its answer is what was sent and what followed
-            ids = job.prefix + res.output_ids
-            text, stop = self._decode(ids), res.finish_reason.get("matched_str")
-            if stop:  # cut at the stop string the resumed part matched
-                cut = text.find(stop, max(len(self._decode(job.prefix)) - len(stop) + 1, 0))
-                text = text[:cut] if cut >= 0 else text
-            finish = dict(res.finish_reason)
-            if finish.get("type") == "length":
-                finish["length"] = len(ids)
-            res = dataclasses.replace(res, output_ids=ids, text=text, finish_reason=finish)
-        out = self._response(job, res)
+            res = resumed_result(job, res, self._decode)
+        out = generate_response(job, res)
         if job.inp.return_hidden_states:  # SGLang's rows (serving/hidden_states.py)
             out["meta_info"]["hidden_states"] = sglang_hidden_states(
                 self.engine.model, job.input_ids, out["output_ids"], res.features)
@@ -577,64 +571,15 @@ class EngineWorker:
         if len(ids) <= n:
             return  # (a resumed run's output starts with streamed_ids: see _new_run)
         job.streamed_ids.extend(ids[n:])
-        job.stream_text += self._text_delta(job)
+        job.stream_text += text_delta(job, self._decode)
         if not job.chunk_pending:
             job.chunk_pending = True
             job.emit("chunk", None)
 
-    def _text_delta(self, job: _Job) -> str:
-        """The text that the stream's newest tokens add, decoded from a few tokens back (the
-        offsets SGLang's detokenizer and TGI keep): each cycle decodes the last chunk and the
-        new tokens, not the whole output. Nothing while the text ends in an incomplete UTF-8
-        sequence (it waits for the next tokens)."""
-        ids = job.streamed_ids
-        lo, mid = job.text_offsets
-        before, after = self._decode(ids[lo:mid]), self._decode(ids[lo:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            job.text_offsets = (mid, len(ids))
-            return after[len(before):]
-        return ""
-
     def stream_chunk(self, job: _Job) -> dict[str, Any] | None:
         """The cumulative event of a stream's output so far (for the HTTP side, when it can send
         it); None once the job has ended (its final event follows)."""
-        with job.lock:
-            job.chunk_pending = False
-            if job.closed:
-                return None
-            ids, text = list(job.streamed_ids), job.stream_text
-        return {"text": text, "output_ids": ids,
-                "meta_info": {"id": job.inp.rid, "finish_reason": None,
-                              "prompt_tokens": len(job.input_ids),
-                              "completion_tokens": len(ids), "cached_tokens": 0}}
-
-    def _response(self, job: _Job, res) -> dict[str, Any]:
-        m = res.metrics
-        s = m.summary()
-        n, ct = len(res.output_ids), m.verify_ct
-        meta = {
-            "id": job.inp.rid,
-            "finish_reason": public_finish_reason(res.finish_reason),
-            "prompt_tokens": len(job.input_ids),
-            "completion_tokens": n,
-            "cached_tokens": 0,
-            "spec_verify_ct": ct,
-            "spec_accept_length": n / ct if ct else 0.0,
-            "e2e_latency": time.time() - job.received,
-            # ours: acceptance as docs/design.md section 2 defines it, and the time split
-            "tau": s["tau"],
-            "A_k": s["A_k"],
-            "a_k": s["a_k"],
-            "accept_hist": s["accept_hist"],
-            "steps": m.steps,
-            "prefill_s": s["prefill_s"],
-            "decode_s": s["decode_s"],
-            "draft_s": s["draft_s"],
-            "verify_s": s["verify_s"],
-            "decode_tokens_per_s": s["decode_tokens_per_s"],
-        }
-        return {"text": res.text if res.text is not None else "", "output_ids": list(res.output_ids),
-                "meta_info": meta}
+        return stream_event(job)
 
     # -- info -----------------------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
