@@ -18,6 +18,19 @@
 #
 # The head lands in W/head/fastmtp/<tokens>/ and RESULTS/ (model.safetensors, config.json,
 # train_log.jsonl, curve.json, curve.md); score it served on a CPU with `fastmtp bench`.
+#
+# On a lent machine with no package index and 64 MiB a call (the working tree is ~27 MB of it),
+# the 98 MB GGUF travels in three parts, one per call, each call copying its part out of the
+# tree and the next call following within the machine's 30 s warm window (2026-12-04 on an
+# H200: ~90 s start, ~20-40 s a call for the transfers). Here, once:
+#   mkdir -p .gpu && echo /.gpu/ >> .git/info/exclude && split -n 3 -d GGUF .gpu/gguf.part
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl gguf==0.19.0
+# then calls 1 and 2 carry .gpu/gguf.part00 / 01 and run `cp .gpu/gguf.partNN /tmp/parts/` beside
+# their own checks, and call 3 carries .gpu/gguf.part02 and .gpu/whl and runs
+#   cat /tmp/parts/gguf.part0[01] .gpu/gguf.part02 > /tmp/parts/g.gguf
+#   pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+#   PYTHONPATH=/tmp/site:$PWD GGUF=/tmp/parts/g.gguf BUDGET=... timeout ... bash bench/pipelines/gpu_head.sh /tmp/gh $OUT
+# and, should the time run out, copies the newest checkpoint of /tmp/gh/head/fastmtp/*/ to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=${1:-runs/gpu-head}
