@@ -98,3 +98,36 @@ def test_top_k_needs_the_engine_in_this_process(tmp_path):
                       with_features=str(tmp_path / "f"), feature_topk=4)
     assert DistillConfig(url="http://127.0.0.1:1", prompts=["p.jsonl"], out="o.jsonl").feature_topk == 0
     assert DistillConfig(url=None, target="T", prompts=["p.jsonl"], out="o.jsonl").feature_topk == 32
+
+
+def test_a_stopped_run_publishes_the_cache_of_its_lines(target_dir, tmp_path):
+    """Ctrl-C / SIGTERM (KeyboardInterrupt on the main thread, where the engine computes) still
+    publishes the features of every line written, equal to `fastmtp features` on them, then
+    stops; the rerun continues that cache to the whole file's. (A stopped run had left them in
+    its staging directory, where `train --features` and `features --reuse` cannot open them.)"""
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+
+    real, calls = ReferenceEngine.step, {"n": 0}
+
+    def step(self, *a, **k):  # stop once some rows are written, others in flight
+        calls["n"] += 1
+        if calls["n"] == 16:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    ReferenceEngine.step = step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill(cfg_local(target_dir, tmp_path, batch_size=2), log=lambda s: None)
+    finally:
+        ReferenceEngine.step = real
+    data = tmp_path / "data.jsonl"
+    written = len(data.read_text().splitlines())
+    assert 0 < written < 2 * len(PROMPTS)
+    got = FeatureStore(tmp_path / "data.features")
+    assert len(got) == written and "partial" not in got.index
+    distill(cfg_local(target_dir, tmp_path, batch_size=2), log=lambda s: None)
+    ref, examples, key = reference(target_dir, data, tmp_path / "ref.features")
+    got = FeatureStore(tmp_path / "data.features", key)
+    assert len(got) == len(examples) == 2 * len(PROMPTS)
+    assert_same_rows(got, ref, examples, data)

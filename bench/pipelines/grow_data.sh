@@ -6,8 +6,9 @@
 # lookup). The first four samples of the shipped prompts are the committed data: restored, not
 # regenerated. Long: ~4.6M new response tokens, hours on 2 CPU cores; stop it any time (Ctrl-C or
 # `kill`): every line written is whole, and the same command resumes where it stopped. The feature
-# cache head_demo.sh trains from is kept in the same pass (distill.features: the rows distilled
-# with it; rows from before are filled in by `fastmtp features --reuse`, see head_demo.sh). Then
+# cache head_demo.sh trains from is kept in the same pass (distill.features, published at a stop
+# too: the rows distilled with it; rows from before are filled in by `fastmtp features --reuse`,
+# see head_demo.sh). Then
 #   python bench/train_data.py pack-growth runs/data-v3 --note "..."
 # packs the rows added (bench/train_data/growth/) for a commit; on a new machine the same command
 # restores base + growth and goes on.

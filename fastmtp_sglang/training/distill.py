@@ -140,16 +140,21 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
         atomic_write(stats_path(out), json.dumps(asdict(stats), indent=2, ensure_ascii=False) + "\n")
         return stats
 
+    interrupted = False
     try:
         if not jobs:
             log(f"fastmtp distill: nothing to do: the {stats.samples_planned} samples planned are "
                 f"all in {out} or were dropped by a filter earlier ({rejected_path(out).name})")
         else:
             run_jobs(cfg, backend, jobs, writer, stats, finish)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: run_jobs wrote the stats; publish the
+        if feats is None:      # features too, then stop as asked
+            raise
+        interrupted = True
     finally:
         if feats is not None:
             feats.sink.close()
-    if feats is not None:  # also after an abort: every line written so far has its rows
+    if feats is not None:  # also after an abort or a stop: every line written so far has its rows
         store = feats.finish(out, tokenizer)
         stats.feature_tokens = int(store.index["tokens"])
         log(f"fastmtp distill: features of {len(store)} sequences ({stats.feature_tokens} tokens, "
@@ -159,6 +164,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) -> Sta
             log(f"fastmtp distill: the cache covers {part['rows']} of the {part['of']} usable rows "
                 f"(its data file: {store.index['data']}); for all of {out}: `fastmtp features "
                 f"--data {out} --reuse {store.path} ...`")
+    if interrupted:
+        raise KeyboardInterrupt
     finish()
     if stats.aborted:
         raise FastMTPError(f"{stats.aborted}; {stats.written} samples written to {out}, rerun "
