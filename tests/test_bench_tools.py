@@ -57,6 +57,7 @@ def test_usable_counts_what_training_reads(llama_target, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(10 + 17 + 5), "3"]  # 30 cut to 20 - 3; the last row held out
 
+
 def _curve(path: Path, steps: int, walks: list[float], served: float) -> str:
     every = steps // len(walks)
     point = {"arm": "fastmtp", "tokens": 1000, "rows": 10, "optimizer_steps": steps,

@@ -15,13 +15,11 @@ from fastmtp_sglang.training.features_reuse import reusable_rows
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fastmtp_sglang.core.hardware import default_device
     from fastmtp_sglang.core.target import load_target
     from fastmtp_sglang.training.data import load_examples
 
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, dtype=args.dtype, device=device)
+    target = load_target(args.target, dtype=args.dtype, device=default_device(args.device))
     vocab = int(target.config.get("vocab_size") or target.lm_head.weight.shape[0])
     examples, counts = load_examples(args.data, target.tokenizer, vocab, args.max_len, 1,
                                      args.max_sequences)

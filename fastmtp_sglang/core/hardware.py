@@ -61,3 +61,13 @@ def auto_dtype_name(device: str = "cpu", flags: frozenset[str] | None = None) ->
     if str(device).startswith("cuda"):
         return "bfloat16"
     return "bfloat16" if fast_bf16(flags) else "float32"
+
+
+def default_device(device: str | None = None) -> str:
+    """``--device`` as train, features and curve read it: as given, else cuda when a GPU is
+    visible, else cpu."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

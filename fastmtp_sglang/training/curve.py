@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.hardware import default_device
 from fastmtp_sglang.decode.costs import cpu_description
 from fastmtp_sglang.training.checkpoints import load_trainer_state
 from fastmtp_sglang.training.config import TrainConfig
@@ -121,8 +122,8 @@ def learning_curve(target_dir: str, init: str, data: str, out: str | Path, token
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     arm0, cfg0 = arms[0], arms[0].cfg
-    device = arm0.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if any((a.device or device) != device for a in arms):
+    device = default_device(arm0.device)
+    if any(default_device(a.device) != device for a in arms):
         raise FastMTPError("every arm of one curve trains on the same --device (pass it after --)")
     target = load_target(target_dir, dtype=arm0.target_dtype, device=device)
     target.model.requires_grad_(False)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.hardware import default_device
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -88,8 +89,7 @@ def start(device: str | None) -> tuple[str, bool]:
     that already exists (a caller running several commands in one process) is joined as is.
     """
     env = torchrun_env()
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device(device)
     if env is None:
         return device, False
     rank, world, local = env
