@@ -22,7 +22,8 @@
 # On a lent machine with no package index and 64 MiB a call (the working tree is ~27 MB of it),
 # the 98 MB GGUF travels in three parts, one per call, each call copying its part out of the
 # tree and the next call following within the machine's 30 s warm window (2026-12-04 on an
-# H200: ~90 s start, ~20-40 s a call for the transfers). Here, once:
+# H200: 46-58 s held beyond the command on a call that started the machine, 6-10 s on a warm one,
+# by the lease counter). Here, once:
 #   mkdir -p .gpu && echo /.gpu/ >> .git/info/exclude && split -n 3 -d GGUF .gpu/gguf.part
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl gguf==0.19.0
 # then calls 1 and 2 carry .gpu/gguf.part00 / 01 and run `cp .gpu/gguf.partNN /tmp/parts/` beside
