@@ -4,6 +4,7 @@ from one self-distilled file.
     python bench/demo_data.py prefix   SRC DST TOKENS HELD [--disjoint] [--from-row N]
     python bench/demo_data.py corpus   SRC DST HELD [--disjoint]
     python bench/demo_data.py prompts  DATA DST HELD
+    python bench/demo_data.py heldout  SRC DST HELD
     python bench/demo_data.py mix      DATA GREEDY DST HELD
     python bench/demo_data.py usable   DATA HELD TARGET MAX_LEN
 
@@ -18,6 +19,11 @@ shipped heads were trained on (101 such rows in their 7,872).
 ``corpus``: the responses of SRC's rows after the held-out ones, as jsonl text for
 `fastmtp build-vocab --corpus` (a table from the target's own outputs, never the held-out rows).
 ``prompts``: one row per distinct prompt of DATA's training rows, for a greedy `fastmtp distill`.
+``heldout``: one row per distinct prompt of SRC's first HELD rows (the held-out rows), with its
+source (the prompt id without its number: alpaca_eval, seed, synth-rag, ...) as the category, for
+`fastmtp bench --prompts DST`: served greedy tau on prompts no training row of a ``--disjoint``
+prefix shares, drawn from the training sources rather than from the evaluation files, to choose
+between heads without tuning on bench/data.
 ``mix``: DATA with the last sample of every prompt that has two or more replaced by that prompt's
 greedy continuation from GREEDY (when it survived distill's filters): the same prompts and the
 same number of rows, about a quarter of them greedy; held-out rows untouched.
@@ -89,6 +95,16 @@ def prompts(data: str, dst: str, held: int = 0) -> None:
     print(f"prompts: {len(seen)} distinct prompts -> {dst}")
 
 
+def heldout(src: str, dst: str, held: int) -> None:
+    seen: dict[str, str] = {}
+    for line in _rows(src)[:held]:
+        r = json.loads(line)
+        seen.setdefault(r["prompt_id"], r["prompt"])
+    _write(dst, [json.dumps({"id": k, "source": k.rsplit("-", 1)[0], "prompt": v}, ensure_ascii=False)
+                 + "\n" for k, v in seen.items()])
+    print(f"heldout: {len(seen)} distinct prompts of the first {held} rows -> {dst}")
+
+
 def mix(data: str, greedy: str, dst: str, held: int) -> None:
     rows = _rows(data)
     train, tail = rows[: len(rows) - held], rows[len(rows) - held:]
@@ -129,6 +145,8 @@ if __name__ == "__main__":
         corpus(a[0], a[1], int(a[2]), "--disjoint" in a[3:])
     elif cmd == "prompts":
         prompts(a[0], a[1], int(a[2]) if len(a) > 2 else 0)
+    elif cmd == "heldout":
+        heldout(a[0], a[1], int(a[2]))
     elif cmd == "mix":
         mix(a[0], a[1], a[2], int(a[3]))
     elif cmd == "usable":

@@ -46,6 +46,25 @@ def test_prefix_from_row_keeps_the_heldout_rows_and_starts_later(distill, tmp_pa
     assert bad.returncode != 0 and "inside the 4 held-out rows" in bad.stderr
 
 
+def test_heldout_prompts_load_as_categories_by_source(tmp_path):
+    """``heldout``: the distinct prompts of the first HELD rows, readable by ``fastmtp bench
+    --prompts`` with their source as the category (a selector that is not an evaluation file)."""
+    from fastmtp_sglang.core.prompts import load_prompts
+
+    ids = ["alpaca_eval-7", "synth-rag-0003", "alpaca_eval-7", "seed-12", "synth-rag-0009"]
+    src = tmp_path / "distill.jsonl"
+    src.write_text("".join(json.dumps({"prompt_id": p, "prompt": f"say {p}"}) + "\n" for p in ids))
+    out = tmp_path / "heldout.jsonl"
+    r = _run("bench/demo_data.py", "heldout", str(src), str(out), "4")
+    assert r.returncode == 0, r.stderr
+    got = load_prompts(out)
+    assert [(p.id, p.category, p.text) for p in got] == [
+        ("alpaca_eval-7", "alpaca_eval", "say alpaca_eval-7"),
+        ("synth-rag-0003", "synth-rag", "say synth-rag-0003"),
+        ("seed-12", "seed", "say seed-12"),
+    ]  # row 5 is past the held-out rows; the repeated prompt once
+
+
 def test_usable_counts_what_training_reads(llama_target, tmp_path):
     """``usable``: response tokens and rows before the held-out tail, responses cut at max-len
     (the largest point fastmtp curve can train; head_demo.sh checks POINTS against it)."""
