@@ -13,6 +13,7 @@
 #   ce+acc   cross-entropy to the sampled token plus acc
 #   beta08   kl with step weights decaying as 0.8^(k-1) (later steps weigh more)
 #   beta04   kl with 0.4^(k-1) (step 1, the bottleneck, weighs more)
+#   bs4      kl at batch 4: twice the optimizer steps over the same tokens, at about the same CPU
 # One epoch over POINT response tokens, LR 6e-3 (head_steps' schedule), batch 8, bf16. Every
 # point resumes: rerun the same command after a stop. Results: OUT/curve.md (copied to RESULTS).
 set -euo pipefail
@@ -38,7 +39,8 @@ for a in $ARMS; do
         ce+acc) arms+=(--arm "ce+acc=--loss ce+acc --kl-topk 32") ;;
         beta08) arms+=(--arm "beta08=--loss kl --kl-topk 32 --beta 0.8") ;;
         beta04) arms+=(--arm "beta04=--loss kl --kl-topk 32 --beta 0.4") ;;
-        *) echo "ARMS holds kl, acc, ce+acc, beta08, beta04" >&2; exit 1 ;;
+        bs4) arms+=(--arm "bs4=--loss kl --kl-topk 32 --batch-size 4") ;;
+        *) echo "ARMS holds kl, acc, ce+acc, beta08, beta04, bs4" >&2; exit 1 ;;
     esac
 done
 mkdir -p "$OUT"
