@@ -29,6 +29,7 @@ OUT=${2:-$W/head}
 POINTS=${POINTS:-940000}   # ~947K usable response tokens after the held-out rows
 ARMS=${ARMS:-fastmtp}
 LOSS=${LOSS:-kl}
+BATCH=${BATCH:-8}             # sequences per optimizer step (levers: 4 = twice the steps, +0.03 held-out)
 BETA=${BETA:-0.6}             # step-weight decay, w_k ~ BETA^(k-1): lower weighs step 1 more
 LR=${LR:-1e-3}
 EPOCHS=${EPOCHS:-2}
@@ -84,7 +85,7 @@ done
 "$BIN/fastmtp" curve --target "$T" --init "${INIT:-$W/init}" --data "$OUT/data.jsonl" --out "$OUT" \
     --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
     --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
-    -- --steps 3 --beta "$BETA" --epochs "$EPOCHS" --batch-size 8 --max-len 512 --lr "$LR" \
+    -- --steps 3 --beta "$BETA" --epochs "$EPOCHS" --batch-size "$BATCH" --max-len 512 --lr "$LR" \
        --dtype bfloat16 --compute-dtype bfloat16 --group-by-length --save-every 200 \
        --eval-every "$EVAL_EVERY" --vocab "$TABLE"
 mkdir -p "$RESULTS"
