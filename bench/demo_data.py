@@ -85,21 +85,24 @@ def corpus(src: str, dst: str, held: int, disjoint: bool = False) -> None:
     print(f"corpus: {len(out)} responses -> {dst}")
 
 
-def prompts(data: str, dst: str, held: int = 0) -> None:
+def _distinct(lines: list[str]) -> dict[str, str]:
+    """prompt_id -> prompt, first occurrence, in order."""
     seen: dict[str, str] = {}
-    rows = _rows(data)
-    for line in rows[: len(rows) - held] if held else rows:
+    for line in lines:
         r = json.loads(line)
         seen.setdefault(r["prompt_id"], r["prompt"])
+    return seen
+
+
+def prompts(data: str, dst: str, held: int = 0) -> None:
+    rows = _rows(data)
+    seen = _distinct(rows[: len(rows) - held] if held else rows)
     _write(dst, [json.dumps({"id": k, "prompt": v}, ensure_ascii=False) + "\n" for k, v in seen.items()])
     print(f"prompts: {len(seen)} distinct prompts -> {dst}")
 
 
 def heldout(src: str, dst: str, held: int) -> None:
-    seen: dict[str, str] = {}
-    for line in _rows(src)[:held]:
-        r = json.loads(line)
-        seen.setdefault(r["prompt_id"], r["prompt"])
+    seen = _distinct(_rows(src)[:held])
     _write(dst, [json.dumps({"id": k, "source": k.rsplit("-", 1)[0], "prompt": v}, ensure_ascii=False)
                  + "\n" for k, v in seen.items()])
     print(f"heldout: {len(seen)} distinct prompts of the first {held} rows -> {dst}")
