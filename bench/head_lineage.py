@@ -11,6 +11,10 @@ every ``--eval-every`` steps) is drawn as one line per run, the served tau at ``
 at each run's end; the last marker is the head that ships. The runs must share their held-out
 rows for the lines to join (head_demo.sh keeps the first 200 rows of distill.jsonl held out).
 ``--hline LABEL=TAU``: a reference level, e.g. prompt lookup's served tau on the same prompts.
+``--served LABEL=RESULTS_JSON``: the served tau of run LABEL from a `fastmtp bench` results.json
+(its K = ``--k``), for a run whose curve was trained where it could not be served (a GPU machine
+with no dev prompts): the same prompts and tokens as the curves' own serving, or the marker means
+nothing.
 Writes ``OUT/lineage.png``, ``lineage.md`` and ``lineage.json``.
 """
 
@@ -29,9 +33,21 @@ def _split(spec: str, what: str) -> tuple[str, str]:
     return label, value
 
 
-def load_runs(specs: list[str], arm: str, k: str) -> list[dict[str, Any]]:
-    """One record per run: its step curve shifted by the steps before it, and its served tau."""
+def bench_tau(path: str, k: str) -> float:
+    """tau at K=k of a `fastmtp bench` results.json."""
+    overall = json.loads(Path(path).read_text())["results"]["overall"]
+    if k not in overall:
+        raise SystemExit(f"{path} has no K={k} (it has K={', '.join(overall)})")
+    return float(overall[k]["tau"])
+
+
+def load_runs(specs: list[str], arm: str, k: str,
+              served: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One record per run: its step curve shifted by the steps before it, and its served tau
+    (from its curve, or from ``served[label]``, a bench results.json)."""
     runs, offset = [], 0
+    served = dict(served or {})
+    served_src = dict(served)
     for spec in specs:
         label, path = _split(spec, "--run")
         doc = json.loads(Path(path).read_text())
@@ -47,9 +63,13 @@ def load_runs(specs: list[str], arm: str, k: str) -> list[dict[str, Any]]:
                      # the step curve's walk is at K as trained; curve.json's "heldout" at the
                      # largest served K: the table reports the former, as the plot does
                      "heldout_tau_walk": curve[-1]["tau_walk"] if curve else None, "curve": curve,
-                     "served_tau": (p.get("served_tau") or {}).get(k),
+                     "served_tau": (bench_tau(served.pop(label), k) if label in served
+                                    else (p.get("served_tau") or {}).get(k)),
+                     "served_source": served_src.get(label, path),
                      "cpu": doc.get("meta", {}).get("cpu")})
         offset += steps
+    if served:
+        raise SystemExit(f"--served names no --run: {', '.join(served)}")
     return runs
 
 
@@ -89,7 +109,7 @@ def plot(runs: list[dict[str, Any]], hlines: list[tuple[str, float]], k: str, ou
                     color=f"C{i}", label=f"served tau K={k}" + (" (shipped head)" if last else ""))
     for j, (label, tau) in enumerate(hlines):
         ax.axhline(tau, ls="--", lw=1, color=f"C{len(runs) + j}", label=label)
-    ax.set_xlabel("optimizer steps (cumulative, batch 8)")
+    ax.set_xlabel("optimizer steps (cumulative)")
     ax.set_ylabel(f"tau at K={k} (tokens per verification)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -102,11 +122,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", required=True, help="LABEL=CURVE_JSON, oldest first")
     ap.add_argument("--hline", action="append", default=[], help="LABEL=TAU reference level")
+    ap.add_argument("--served", action="append", default=[],
+                    help="LABEL=RESULTS_JSON: run LABEL's served tau from a fastmtp bench result")
     ap.add_argument("--arm", default="fastmtp")
     ap.add_argument("--k", default="3", help="the K of the served tau (a key of served_tau)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    runs = load_runs(args.run, args.arm, args.k)
+    runs = load_runs(args.run, args.arm, args.k, dict(_split(s, "--served") for s in args.served))
     hlines = [(lab, float(v)) for lab, v in (_split(h, "--hline") for h in args.hline)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

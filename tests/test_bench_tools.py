@@ -105,3 +105,25 @@ def test_lineage_counts_steps_across_warm_restarts(tmp_path):
     assert (out / "lineage.png").stat().st_size > 1000
     bad = _run("bench/head_lineage.py", "--run", a, "--out", str(out))
     assert bad.returncode != 0 and "LABEL=VALUE" in bad.stderr
+
+
+def test_lineage_takes_a_runs_served_tau_from_a_bench_result(tmp_path):
+    a = _curve(tmp_path / "a.json", 100, [1.2, 1.4], 1.3)
+    doc = json.loads(Path(b := _curve(tmp_path / "b.json", 50, [1.5], 0.0)).read_text())
+    del doc["points"][0]["served_tau"]  # trained where it could not be served
+    Path(b).write_text(json.dumps(doc))
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"results": {"overall": {"0": {"tau": 1.0}, "3": {"tau": 1.675}}}}))
+    out = tmp_path / "lin"
+    r = _run("bench/head_lineage.py", "--run", f"one={a}", "--run", f"gpu={b}",
+             "--served", f"gpu={bench}", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    one, gpu = json.loads((out / "lineage.json").read_text())["runs"]
+    assert (one["served_tau"], gpu["served_tau"]) == (1.3, 1.675)
+    assert gpu["served_source"] == str(bench) and one["served_source"] == a
+    assert "| gpu | 1,000 | 50 | 150 | 1.500 | 1.675 |" in (out / "lineage.md").read_text()
+    typo = _run("bench/head_lineage.py", "--run", f"one={a}", "--served", f"ghost={bench}", "--out", str(out))
+    assert typo.returncode != 0 and "--served names no --run: ghost" in typo.stderr
+    wrong_k = _run("bench/head_lineage.py", "--run", f"one={a}", "--served", f"one={bench}", "--k", "5",
+                   "--out", str(out))
+    assert wrong_k.returncode != 0 and "has no K=5" in wrong_k.stderr

