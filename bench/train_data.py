@@ -10,8 +10,9 @@ into a pipeline's work directory.
 The base (``bench/train_data/*.xz``, 4 samples per prompt at T=0.6) stays byte-identical, so
 everything that restores it (bench/pipelines/demo_pipeline.sh, the shipped head's recipe) keeps
 working; ``bench/pipelines/grow_data.sh`` appends to a copy of it (8 samples per prompt, mixed
-temperatures, more prompts), and ``pack-growth`` commits only the rows after the base's
-(``bench/train_data/growth/``): a work file must start with the base's exact bytes.
+temperatures, more prompts), and ``pack-growth`` commits only the rows after the base's and the
+growth's already committed, as a new part (``bench/train_data/growth/*.partNN.xz``: append-only,
+so git stores each row once): a work file must start with those exact bytes.
 
 `pack` compresses ``distill.jsonl`` and its ``distill.jsonl.rejected.jsonl`` (the samples the
 filters dropped: with them a resumed distillation skips exactly what was already tried) with xz
@@ -80,43 +81,76 @@ def _unpacked(name: str, entry: dict) -> bytes:
     return raw
 
 
+def growth_parts(manifest: dict) -> list[dict]:
+    """The growth's parts, oldest first: {"note", "files": {name: entry with its "file"}}. A
+    manifest from before parts (one file per name, rewritten by each pack) is one part."""
+    if "parts" in manifest:
+        return manifest["parts"]
+    return [{"note": manifest.get("note", ""),
+             "files": {n: {**e, "file": f"{n}.xz"} for n, e in manifest["files"].items()}}]
+
+
+def _growth_manifest() -> dict | None:
+    path = GROWTH / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def pack_growth(work: Path, note: str) -> dict:
-    """Compress the rows of WORK's files after the committed base's into growth/ (the base's
-    bytes must be the files' prefix: grow_data.sh only appends)."""
+    """Compress the rows WORK's files hold past the base and the committed growth into a new part
+    of growth/ (append-only: the parts already committed are checked, never rewritten, so the
+    repository's history stores each row once). The base's and the parts' bytes must be the
+    files' prefix: grow_data.sh only appends."""
     base = json.loads((DATA / "manifest.json").read_text())["files"]
+    old = _growth_manifest()
+    parts = growth_parts(old) if old else []
+    idx = len(parts)
     GROWTH.mkdir(parents=True, exist_ok=True)
-    manifest = {"command": GROWTH_COMMAND, "note": note, "base": {n: e["sha256"] for n, e in base.items()},
-                "files": {}}
+    raws, new_part = {}, {"note": note, "files": {}}
     for name in FILES:
         raw = (work / name).read_bytes()
         n = base[name]["bytes"]
         if sha256(raw[:n]) != base[name]["sha256"]:
             raise SystemExit(f"{work / name} does not start with the committed base's bytes: "
                              "growth is only what was appended to it (restore the base, then grow)")
-        extra = raw[n:]
+        for i, part in enumerate(parts):
+            e = part["files"][name]
+            if sha256(raw[n:n + e["bytes"]]) != e["sha256"]:
+                raise SystemExit(f"{work / name} does not continue the committed growth (part {i}): "
+                                 "restore with --with-growth, then grow")
+            n += e["bytes"]
+        raws[name] = (raw, raw[n:])
+    if not any(extra for _, extra in raws.values()):
+        raise SystemExit(f"{work}: no rows past the committed growth: nothing to pack")
+    for name, (raw, extra) in raws.items():
         packed = lzma.compress(extra, preset=9 | lzma.PRESET_EXTREME)
-        dst = GROWTH / f"{name}.xz"
-        tmp = dst.with_suffix(".xz.tmp")
+        dst = GROWTH / f"{name}.part{idx:02d}.xz"
+        tmp = dst.with_name(dst.name + ".tmp")
         tmp.write_bytes(packed)
         os.replace(tmp, dst)
-        manifest["files"][name] = {"sha256": sha256(extra), "bytes": len(extra), "xz_sha256": sha256(packed),
-                                   "xz_bytes": len(packed), **stats(extra), "total": stats(raw)}
+        new_part["files"][name] = {"file": dst.name, "sha256": sha256(extra), "bytes": len(extra),
+                                   "xz_sha256": sha256(packed), "xz_bytes": len(packed), **stats(extra)}
+    manifest = {"command": GROWTH_COMMAND, "base": {n: e["sha256"] for n, e in base.items()},
+                "parts": parts + [new_part],
+                "total": {name: stats(raw) for name, (raw, _) in raws.items()}}
     tmp = GROWTH / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, GROWTH / "manifest.json")
+    os.replace(tmp, GROWTH / "manifest.json")   # last: a pack stopped before it leaves the old state
     return manifest
 
 
 def _growth(name: str) -> bytes:
-    manifest = json.loads((GROWTH / "manifest.json").read_text())
-    entry = manifest["files"][name]
-    packed = (GROWTH / f"{name}.xz").read_bytes()
-    if sha256(packed) != entry["xz_sha256"]:
-        raise SystemExit(f"bench/train_data/growth/{name}.xz does not match its manifest (sha256)")
-    raw = lzma.decompress(packed)
-    if sha256(raw) != entry["sha256"]:
-        raise SystemExit(f"bench/train_data/growth/{name}.xz decompresses to the wrong bytes")
-    return raw
+    """The committed growth of file ``name``: its parts' rows in order, each checked."""
+    out = []
+    for i, part in enumerate(growth_parts(_growth_manifest())):
+        entry = part["files"][name]
+        packed = (GROWTH / entry["file"]).read_bytes()
+        if sha256(packed) != entry["xz_sha256"]:
+            raise SystemExit(f"bench/train_data/growth/{entry['file']} does not match its manifest (sha256)")
+        raw = lzma.decompress(packed)
+        if sha256(raw) != entry["sha256"]:
+            raise SystemExit(f"bench/train_data/growth/{entry['file']} decompresses to the wrong bytes")
+        out.append(raw)
+    return b"".join(out)
 
 
 def restore(work: Path, with_growth: bool = False) -> None:
@@ -169,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{e['bytes']:,} -> {e['xz_bytes']:,} bytes")
     elif args.cmd == "pack-growth":
         m = pack_growth(Path(args.work), args.note)
-        for name, e in m["files"].items():
-            print(f"{name}: +{e['rows']} rows, +{e['response_tokens']:,} response tokens "
-                  f"({e['total']['rows']} rows, {e['total']['response_tokens']:,} in all), "
+        for name, e in m["parts"][-1]["files"].items():
+            t = m["total"][name]
+            print(f"{name}: part {len(m['parts']) - 1}, +{e['rows']} rows, +{e['response_tokens']:,} "
+                  f"response tokens ({t['rows']} rows, {t['response_tokens']:,} in all), "
                   f"{e['bytes']:,} -> {e['xz_bytes']:,} bytes")
     elif args.cmd == "restore":
         restore(Path(args.work), args.with_growth)
