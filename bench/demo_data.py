@@ -2,6 +2,7 @@
 from one self-distilled file.
 
     python bench/demo_data.py prefix   SRC DST TOKENS HELD [--disjoint] [--from-row N]
+                                       [--replay TOKENS --replay-from ROW]
     python bench/demo_data.py corpus   SRC DST HELD [--disjoint]
     python bench/demo_data.py prompts  DATA DST HELD
     python bench/demo_data.py heldout  SRC DST HELD
@@ -15,7 +16,9 @@ layout as bench/pipelines/curve_demo.sh, so a point here and a point there train
 With ``--disjoint`` no training row shares a prompt with a held-out row (the held-out rows' other
 samples are skipped: with 8 samples per prompt, 4 of a held-out prompt's came after row HELD, and
 the held-out score read answers to prompts the head had trained on); without it, the rows the
-shipped heads were trained on (101 such rows in their 7,872).
+shipped heads were trained on (101 such rows in their 7,872). ``--replay TOKENS --replay-from R``:
+a warm restart on new rows that keeps seeing the old: about TOKENS response tokens of rows drawn
+(seed 0) from rows R to --from-row, mixed with the new rows in one shuffled order (seed 0).
 ``corpus``: the responses of SRC's rows after the held-out ones, as jsonl text for
 `fastmtp build-vocab --corpus` (a table from the target's own outputs, never the held-out rows).
 ``prompts``: one row per distinct prompt of DATA's training rows, for a greedy `fastmtp distill`.
@@ -35,6 +38,7 @@ reads them (TARGET's tokenizer, responses cut at MAX_LEN): the largest point `fa
 from __future__ import annotations
 
 import json
+import random
 import sys
 
 
@@ -49,7 +53,7 @@ def _write(path: str, lines: list[str]) -> None:
 
 
 def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False,
-           from_row: int | None = None) -> None:
+           from_row: int | None = None, replay: int = 0, replay_from: int | None = None) -> None:
     rows = _rows(src)
     start = held if from_row is None else from_row
     if len(rows) <= max(held, start):
@@ -67,6 +71,22 @@ def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False,
             continue
         take.append(line)
         n += len(r["response_ids"])
+    if replay:
+        lo = held if replay_from is None else replay_from
+        if not held <= lo < start:
+            sys.exit(f"--replay-from {lo} must lie between the held-out rows ({held}) and --from-row ({start})")
+        pool = [x for x in rows[lo:start] if json.loads(x)["prompt_id"] not in held_prompts]
+        random.Random(0).shuffle(pool)
+        old, m = [], 0
+        for line in pool:
+            if m >= replay:
+                break
+            old.append(line)
+            m += len(json.loads(line)["response_ids"])
+        print(f"prefix: + {len(old)} replayed rows ({m} response tokens) of rows {lo}-{start - 1}",
+              file=sys.stderr)
+        take += old
+        random.Random(0).shuffle(take)
     if skipped:
         print(f"prefix: {skipped} rows skipped (their prompts are held out)", file=sys.stderr)
     if n < tokens:
@@ -141,9 +161,10 @@ def usable(data: str, held: int, target: str, max_len: int) -> tuple[int, int]:
 if __name__ == "__main__":
     cmd, *a = sys.argv[1:] or [""]
     if cmd == "prefix":
-        fr = a[a.index("--from-row") + 1] if "--from-row" in a else None
-        prefix(a[0], a[1], int(float(a[2])), int(a[3]), "--disjoint" in a[4:],
-               int(fr) if fr is not None else None)
+        def opt(name):
+            return int(float(a[a.index(name) + 1])) if name in a else None
+        prefix(a[0], a[1], int(float(a[2])), int(a[3]), "--disjoint" in a[4:], opt("--from-row"),
+               opt("--replay") or 0, opt("--replay-from"))
     elif cmd == "corpus":
         corpus(a[0], a[1], int(a[2]), "--disjoint" in a[3:])
     elif cmd == "prompts":

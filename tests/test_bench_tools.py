@@ -127,3 +127,21 @@ def test_lineage_takes_a_runs_served_tau_from_a_bench_result(tmp_path):
     wrong_k = _run("bench/head_lineage.py", "--run", f"one={a}", "--served", f"one={bench}", "--k", "5",
                    "--out", str(out))
     assert wrong_k.returncode != 0 and "has no K=5" in wrong_k.stderr
+
+
+def test_prefix_replay_mixes_older_rows_into_a_warm_restart(distill, tmp_path):
+    out = tmp_path / "data.jsonl"
+    r = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--disjoint",
+             "--from-row", "8", "--replay", "15", "--replay-from", "4")
+    assert r.returncode == 0, r.stderr
+    ns = _ns(out)
+    # new rows 10, 11 (8, 9 share held-out prompts), two replayed rows of 4-7 without held-out
+    # prompts (6, 7: 20 tokens >= 15), shuffled together; the held-out rows last
+    assert sorted(ns[:-2]) == [6, 7, 10, 11] and ns[-2:] == [0, 1]
+    again = tmp_path / "again.jsonl"
+    _run("bench/demo_data.py", "prefix", str(distill), str(again), "1000", "2", "--disjoint",
+         "--from-row", "8", "--replay", "15", "--replay-from", "4")
+    assert again.read_text() == out.read_text()  # seeded
+    bad = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--from-row", "8",
+               "--replay", "15", "--replay-from", "9")
+    assert bad.returncode != 0 and "--replay-from 9 must lie between" in bad.stderr

@@ -41,12 +41,15 @@ DISJOINT=${DISJOINT:-0}       # 1: no training row (or table text) shares a prom
 REUSE=${REUSE:-}              # feature caches to copy rows from (space-separated)
 FROM_ROW=${FROM_ROW:-}        # training rows start at this row of distill.jsonl (default: after the
                               # held-out rows); with INIT, a warm restart on rows the head never saw
+REPLAY=${REPLAY:-}            # with FROM_ROW: about this many response tokens of older rows mixed
+REPLAY_FROM=${REPLAY_FROM:-}  # in (drawn from rows REPLAY_FROM to FROM_ROW), shuffled together
 HELD=200
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
 max=$([[ $POINTS == all ]] && echo 1000000000 || tr , "\n" <<< "$POINTS" | sort -n | tail -1)
 [[ -f $OUT/data.jsonl ]] || "$BIN/python" bench/demo_data.py prefix "$W/distill.jsonl" "$OUT/data.jsonl" "$max" "$HELD" \
-    $( ((DISJOINT)) && echo --disjoint ) ${FROM_ROW:+--from-row "$FROM_ROW"}
+    $( ((DISJOINT)) && echo --disjoint ) ${FROM_ROW:+--from-row "$FROM_ROW"} \
+    ${REPLAY:+--replay "$REPLAY"} ${REPLAY_FROM:+--replay-from "$REPLAY_FROM"}
 # the largest point must fit the usable tokens (cut at --max-len), known before the features run;
 # POINTS=all trains on all of them
 read -r usable _ <<< "$("$BIN/python" bench/demo_data.py usable "$OUT/data.jsonl" "$HELD" "$T" 512)"
