@@ -16,6 +16,7 @@
 #            when set, BUDGET is what is left of it after the probe, less RESERVE (45) for the
 #            final scoring and the copy; the features' time is then no longer a guess
 #   SAVE_EVERY (500) optimizer steps between checkpoints (a killed call keeps the newest)
+#   CE_CHUNK (8192; GPU only) rows per loss chunk: the CPU default of 256 made ~95 chunks a step
 #   BATCH (32), LR (3e-3), MAX_EPOCHS (6), EVAL_EVERY (250), INIT (the shipped head),
 #   DEVICE (cuda; cpu runs the same steps, to check the script on a small TOKENS_MAX),
 #   TOKENS_MAX (training rows up to this many response tokens; default all)
@@ -81,6 +82,8 @@ stamp "features"
 read -r TOKENS ROWS <<< "$("$PYTHON" bench/demo_data.py usable "$W/head/data.jsonl" "$HELD" "$T" 512)"
 COMMON=(--steps 3 --batch-size "$BATCH" --max-len 512 --lr "$LR" --dtype bfloat16 --compute-dtype bfloat16
         --group-by-length --vocab "$TABLE" --loss kl --kl-topk 32 --device "$DEVICE")
+# on a GPU the loss in 256-row chunks was ~95 chunks and thousands of small launches a step
+[[ $DEVICE == cpu ]] || COMMON+=(--ce-chunk "${CE_CHUNK:-8192}")
 
 # probe: the seconds an optimizer step takes on these features (after step 10 of a throwaway run)
 "$PYTHON" -m fastmtp_sglang train --target "$T" --init "$INIT" --data "$W/head/data.jsonl" \

@@ -383,13 +383,16 @@ def evaluate(head: FastMTPHead, hidden_fn, examples: list[tuple[int, Example]], 
     for s in range(0, len(examples), batch_size):
         chunk_ex = examples[s:s + batch_size]
         batch = collate([e for _, e in chunk_ex], [hidden_fn(i, e.ids) for i, e in chunk_ex], device)
-        hits = draft_hits(head, batch, proj, steps, chunk)
+        # one copy to the host per batch: acceptance() reads the hits a cycle at a time, and on a
+        # GPU each read was a sync (thousands per held-out score)
+        hits = draft_hits(head, batch, proj, steps, chunk).cpu()
         for r, (_, e) in enumerate(chunk_ex):
             pa, w = acceptance(hits[r], e.prompt_len, len(e.ids))
             per_anchor += pa
             walk += w
+        mask = batch.loss_mask.cpu()
         for k in range(1, steps + 1):
-            sel = shift_left(batch.loss_mask, k + 1, False)
+            sel = shift_left(mask, k + 1, False)
             hit_k[k - 1] += int(hits[:, k - 1][sel].sum())
             n_k[k - 1] += int(sel.sum())
     head.train(was_training)
