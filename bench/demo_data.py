@@ -71,6 +71,7 @@ def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False,
             continue
         take.append(line)
         n += len(r["response_ids"])
+    n_replay = m_replay = 0
     if replay:
         lo = held if replay_from is None else replay_from
         if not held <= lo < start:
@@ -87,13 +88,15 @@ def prefix(src: str, dst: str, tokens: int, held: int, disjoint: bool = False,
               file=sys.stderr)
         take += old
         random.Random(0).shuffle(take)
+        n_replay, m_replay = len(old), m
     if skipped:
         print(f"prefix: {skipped} rows skipped (their prompts are held out)", file=sys.stderr)
     if n < tokens:
         print(f"prefix: only {n} response tokens from row {start}; larger points are "
               "skipped by fastmtp curve", file=sys.stderr)
     _write(dst, take + rows[:held])
-    print(f"prefix: {len(take)} training rows ({n} response tokens) + {held} held-out rows -> {dst}")
+    print(f"prefix: {len(take)} training rows ({n + m_replay} response tokens"
+          f"{f', {n_replay} rows replayed' if n_replay else ''}) + {held} held-out rows -> {dst}")
 
 
 def corpus(src: str, dst: str, held: int, disjoint: bool = False) -> None:
