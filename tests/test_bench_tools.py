@@ -132,15 +132,18 @@ def test_lineage_takes_a_runs_served_tau_from_a_bench_result(tmp_path):
 def test_prefix_replay_mixes_older_rows_into_a_warm_restart(distill, tmp_path):
     out = tmp_path / "data.jsonl"
     r = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--disjoint",
-             "--from-row", "8", "--replay", "15", "--replay-from", "4")
+             "--from-row", "8", "--replay", "15", "--replay-from", "2")
     assert r.returncode == 0, r.stderr
     ns = _ns(out)
-    # new rows 10, 11 (8, 9 share held-out prompts), two replayed rows of 4-7 without held-out
-    # prompts (6, 7: 20 tokens >= 15), shuffled together; the held-out rows last
-    assert sorted(ns[:-2]) == [6, 7, 10, 11] and ns[-2:] == [0, 1]
+    # new rows 10, 11 (8, 9 share held-out prompts), and replayed rows of 2-7 without held-out
+    # prompts (2, 3, 6, 7) until 15 tokens: two of them (10 tokens each); the held-out rows last
+    train, replayed = ns[:-2], [n for n in ns[:-2] if n < 8]
+    assert ns[-2:] == [0, 1] and sorted(n for n in train if n >= 8) == [10, 11]
+    assert len(replayed) == 2 and set(replayed) <= {2, 3, 6, 7}
+    assert "4 training rows (40 response tokens, 2 rows replayed)" in r.stdout
     again = tmp_path / "again.jsonl"
     _run("bench/demo_data.py", "prefix", str(distill), str(again), "1000", "2", "--disjoint",
-         "--from-row", "8", "--replay", "15", "--replay-from", "4")
+         "--from-row", "8", "--replay", "15", "--replay-from", "2")
     assert again.read_text() == out.read_text()  # seeded
     bad = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--from-row", "8",
                "--replay", "15", "--replay-from", "9")

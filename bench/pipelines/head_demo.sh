@@ -44,6 +44,11 @@ FROM_ROW=${FROM_ROW:-}        # training rows start at this row of distill.jsonl
 REPLAY=${REPLAY:-}            # with FROM_ROW: about this many response tokens of older rows mixed
 REPLAY_FROM=${REPLAY_FROM:-}  # in (drawn from rows REPLAY_FROM to FROM_ROW), shuffled together
 HELD=200
+if [[ -n $REPLAY && $POINTS != all ]] || [[ -n $REPLAY_FROM && -z $REPLAY ]]; then
+    echo "head_demo: REPLAY needs POINTS=all (a point would take the first tokens of the shuffled mix)," \
+        "and REPLAY_FROM needs REPLAY" >&2
+    exit 1
+fi
 source bench/pipelines/demo_env.sh
 mkdir -p "$OUT"
 max=$([[ $POINTS == all ]] && echo 1000000000 || tr , "\n" <<< "$POINTS" | sort -n | tail -1)
