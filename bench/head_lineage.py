@@ -46,8 +46,7 @@ def load_runs(specs: list[str], arm: str, k: str,
     """One record per run: its step curve shifted by the steps before it, and its served tau
     (from its curve, or from ``served[label]``, a bench results.json)."""
     runs, offset = [], 0
-    served = dict(served or {})
-    served_src = dict(served)
+    served = served or {}
     for spec in specs:
         label, path = _split(spec, "--run")
         doc = json.loads(Path(path).read_text())
@@ -63,13 +62,14 @@ def load_runs(specs: list[str], arm: str, k: str,
                      # the step curve's walk is at K as trained; curve.json's "heldout" at the
                      # largest served K: the table reports the former, as the plot does
                      "heldout_tau_walk": curve[-1]["tau_walk"] if curve else None, "curve": curve,
-                     "served_tau": (bench_tau(served.pop(label), k) if label in served
+                     "served_tau": (bench_tau(served[label], k) if label in served
                                     else (p.get("served_tau") or {}).get(k)),
-                     "served_source": served_src.get(label, path),
+                     "served_source": served.get(label, path),
                      "cpu": doc.get("meta", {}).get("cpu")})
         offset += steps
-    if served:
-        raise SystemExit(f"--served names no --run: {', '.join(served)}")
+    unknown = set(served) - {r["label"] for r in runs}
+    if unknown:
+        raise SystemExit(f"--served names no --run: {', '.join(sorted(unknown))}")
     return runs
 
 

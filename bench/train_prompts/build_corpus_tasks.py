@@ -83,18 +83,18 @@ def factbook() -> list[dict[str, str]]:
     return out
 
 
-def sotu_chunks(rng: random.Random) -> list[str]:
+def sotu_chunks() -> list[str]:
     """Runs of consecutive paragraphs of the State of the Union texts, 100-190 words each."""
     root = package_dir("sotu") / "data" / "speeches"
     chunks = []
     for f in sorted(root.glob("*.txt")):
-        paras = [clean(p) for p in f.read_text(encoding="utf-8").split("\n\n") if clean(p)]
+        paras = [p for p in map(clean, f.read_text(encoding="utf-8").split("\n\n")) if p]
         cur: list[str] = []
         n = 0
         for p in paras:
+            if len(p.split()) > MAX_WORDS:
+                p = cut_words(p)
             w = len(p.split())
-            if w > MAX_WORDS:
-                p, w = cut_words(p), len(cut_words(p).split())
             if n + w > MAX_WORDS and cur:
                 if n >= 100:
                     chunks.append("\n\n".join(cur))
@@ -220,8 +220,7 @@ def passages(rng: random.Random, countries) -> list[tuple[str, str]]:
     return out
 
 
-SECTIONS = {"Geography": "Geography", "People and Society": "Society", "Government": "Government",
-            "Economy": "Economy", "Military and Security": "Military"}
+SECTIONS = ("Geography", "People and Society", "Government", "Economy", "Military and Security")
 
 
 def extractions(rng: random.Random, countries, chunks) -> list[tuple[str, str]]:
@@ -270,7 +269,7 @@ def main() -> int:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     countries = factbook()
-    chunks = sotu_chunks(rng)
+    chunks = sotu_chunks()
     rng.shuffle(chunks)
     kinds = {"translate": translations(rng, german_pairs()),
              "summarize": summaries(rng, countries, chunks[:args.sotu_summaries]),
