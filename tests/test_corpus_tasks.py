@@ -88,6 +88,32 @@ def test_summaries_and_extractions_stay_within_the_caps(ct):
         assert len(prompt.split()) <= ct.MAX_PROMPT_WORDS, prompt[:80]
 
 
+def test_long_kinds_reach_spec_bench_lengths_with_fixed_labels(ct):
+    countries = [_country(n, 600) for n in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon")]
+    rows = ct.long_passages(random.Random(3), countries)
+    assert len(rows) == 15
+    for source, prompt in rows:
+        assert source == "factbook:long-qa"
+        assert sum(f"{n}\n" in prompt for n in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon")) == 4
+        assert "Name: " not in prompt and "Total: " not in prompt  # fields named by what they hold
+        for n in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon"):
+            if f"capital of {n}" in prompt:
+                assert f"Capital: {n}ville" in prompt
+        assert 250 <= len(prompt.split()) <= ct.MAX_LONG_PROMPT_WORDS
+    chunk = "word " * 400
+    summ = ct.long_summaries(random.Random(3), countries, [chunk])
+    assert summ[0] == ("sotu:long", summ[0][1]) and chunk.strip() in summ[0][1]
+    profiles = [p for s, p in summ if s == "factbook:profile"]
+    assert len(profiles) == 5
+    for p in profiles:
+        assert ct.LONG_WORDS[0] <= len(p.split()) <= ct.LONG_WORDS[1] + 20  # + the template and name
+        assert "Capital: " in p or "Population: " in p or "Area: " in p
+    assert summ == ct.long_summaries(random.Random(3), countries, [chunk])
+    # the first build's labels are unchanged (its prompts keep their text under their ids)
+    assert "Name: Alphaville" in ct.document(countries[0], ["Government/Capital/name"], 100)
+    assert "Capital: Alphaville" in ct.document(countries[0], ["Government/Capital/name"], 100, fixed=True)
+
+
 def test_missing_source_package_is_a_clear_exit(tmp_path):
     # a python that cannot import the packages: an empty site, no user site
     code = ("import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]; "
@@ -110,3 +136,11 @@ def test_the_real_build_where_the_packages_are_installed(ct, tmp_path):
     assert kinds == {"translate", "summarize", "rag", "extract"}
     assert len({r["id"] for r in rows}) == len(rows) > 3000
     assert max(len(r["prompt"].split()) for r in rows) <= ct.MAX_PROMPT_WORDS
+    long = tmp_path / "long.jsonl"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--long", str(long)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in long.read_text(encoding="utf-8").splitlines()]
+    assert {r["id"].rsplit("-", 1)[0] for r in rows} == {"corpus-long-summarize", "corpus-long-rag"}
+    assert len({r["id"] for r in rows}) == len(rows) > 1500
+    assert min(len(r["prompt"].split()) for r in rows) >= 300
+    assert max(len(r["prompt"].split()) for r in rows) <= ct.MAX_LONG_PROMPT_WORDS

