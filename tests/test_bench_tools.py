@@ -1,5 +1,6 @@
 """The bench scripts that choose training rows and draw a head's lineage: bench/demo_data.py prefix
-(--from-row, --disjoint) and bench/head_lineage.py (steps counted across warm restarts)."""
+(--from-row, --disjoint), bench/head_lineage.py (steps counted across warm restarts) and
+bench/copy_share.py (offline prompt-lookup tau of distilled answers)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,29 @@ def test_prefix_replay_mixes_older_rows_into_a_warm_restart(distill, tmp_path):
     bad = _run("bench/demo_data.py", "prefix", str(distill), str(out), "1000", "2", "--from-row", "8",
                "--replay", "15", "--replay-from", "9")
     assert bad.returncode != 0 and "--replay-from 9 must lie between" in bad.stderr
+
+
+def test_copy_share_counts_lookup_cycles_and_groups_greedy_rows_by_source(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import copy_share
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    # nothing to copy: one target token a cycle
+    assert copy_share.lookup_cycles(prompt, [1, 2, 3, 4]) == 4
+    # the answer repeats the prompt: 10 (nothing matches yet), then 10 matches the prompt's 10:
+    # 11-15 drafted and accepted + 16, then 17-20 (the answer ends inside the drafts)
+    assert copy_share.lookup_cycles(prompt, prompt) == 3
+    assert copy_share.lookup_cycles(prompt, prompt, k=2) == 5  # 10 | 11 12 13 | 14 15 16 | 17 18 19 | 20
+    rows = [{"prompt": "a", "prompt_ids": prompt, "response_ids": prompt, "sampling_params": {"temperature": 0}},
+            {"prompt": "b", "prompt_ids": prompt, "response_ids": [1, 2, 3, 4], "sampling_params": {"temperature": 0}},
+            {"prompt": "a", "prompt_ids": prompt, "response_ids": [1, 2], "sampling_params": {"temperature": 0.6}}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"id": "x", "source": "copy", "prompt": "a"}) + "\n")
+    r = _run("bench/copy_share.py", str(data), "--sources", str(src))
+    assert r.returncode == 0, r.stderr
+    assert "| copy | 1 | 3.67 |" in r.stdout  # 11 tokens in 3 cycles; the sampled row is skipped
+    assert "| other | 1 | 1.00 |" in r.stdout
