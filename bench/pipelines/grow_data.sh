@@ -71,14 +71,15 @@ fi
 
 # LONG=1: the long kinds instead (`build_corpus_tasks.py --long`: 460-970-token prompts, as long as
 # Spec-Bench's RAG and summarization prompts, which the 512-token window never showed the head),
-# 4 samples a prompt (more prompts for the tokens), features in a 1024-token window of their own
-# cache (train them with MAX_LEN=1024 in head_demo.sh); appended to the same distill.jsonl
+# the same 8 samples a prompt (distill resumes a file only with its sampling settings), features
+# in a 1024-token window of their own cache (train them with MAX_LEN=1024 in head_demo.sh);
+# appended to the same distill.jsonl
 if [[ ${LONG:-0} == 1 ]]; then
     [[ -f $W/corpus-long.jsonl ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py \
         --long "$W/corpus-long.jsonl"
     exec "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/corpus-long.jsonl" \
         --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
-        --n 4 --temperature "${LONG_TEMPS:-0.6,0.8,0,1.0}" --max-new-tokens 256 \
+        --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
         --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
         --with-features "$W/distill-long.features" --max-len 1024 --feature-topk 32
 fi
