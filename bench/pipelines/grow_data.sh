@@ -70,7 +70,8 @@ if [[ ! -f $W/distill.jsonl ]]; then
 fi
 
 # LONG=1: the long kinds instead (`build_corpus_tasks.py --long`: 460-970-token prompts, as long as
-# Spec-Bench's RAG and summarization prompts, which the 512-token window never showed the head),
+# Spec-Bench's RAG and summarization prompts; half the kept tokens/s of the short kinds; the head
+# holds its acceptance past its 512-token window on them: bench/results/long_window_probe/),
 # the same 8 samples a prompt (distill resumes a file only with its sampling settings), features
 # in a 1024-token window of their own cache (train them with MAX_LEN=1024 in head_demo.sh);
 # appended to the same distill.jsonl
