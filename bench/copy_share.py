@@ -1,6 +1,7 @@
 """How much of the target's answers prompt lookup would have drafted, per prompt source: the
-offline prompt-lookup tau (up to 5 drafts a cycle, `NgramDrafter` defaults, as the engine's
-lookup drafts) of the greedy rows of a distilled file. A kind whose answers copy their prompt
+offline prompt-lookup tau (up to 5 drafts a cycle, `NgramDrafter` defaults, as `fastmtp bench
+--ngram-steps 5` drafts; the hybrid of `--steps auto` matches up to 4-grams) of the greedy rows of
+a distilled file. A kind whose answers copy their prompt
 (extraction, RAG) scores high here, as it does served; it says which training kinds give the head
 copying to learn.
 

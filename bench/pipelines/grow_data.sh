@@ -27,6 +27,32 @@ mkdir -p "$W"
 
 T=$("$BIN/python" -c "from fastmtp_sglang.core.demo_target import materialize_smollm2; print(materialize_smollm2())")
 
+# the committed data, with the growth committed so far (restored once; a rerun appends to it)
+if [[ ! -f $W/distill.jsonl ]]; then
+    if [[ -f bench/train_data/growth/manifest.json ]]; then
+        "$BIN/python" bench/train_data.py restore "$W" --with-growth
+    else
+        "$BIN/python" bench/train_data.py restore "$W"
+    fi
+fi
+
+# LONG=1: the long kinds instead (`build_corpus_tasks.py --long`: 460-970-token prompts, as long as
+# Spec-Bench's RAG and summarization prompts; ~90 kept tokens/s against ~175 for the short kinds
+# with the same probe beside both, 2026-12-04; the head
+# holds its acceptance past its 512-token window on them: bench/results/long_window_probe/),
+# the same 8 samples a prompt (distill resumes a file only with its sampling settings), features
+# in a 1024-token window of their own cache (train them with MAX_LEN=1024 in head_demo.sh);
+# appended to the same distill.jsonl
+if [[ ${LONG:-0} == 1 ]]; then
+    [[ -f $W/corpus-long.jsonl ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py \
+        --long "$W/corpus-long.jsonl"
+    exec "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/corpus-long.jsonl" \
+        --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
+        --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
+        --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
+        --with-features "$W/distill-long.features" --max-len 1024 --feature-topk 32
+fi
+
 # the prompts: the shipped mix in its committed order (as demo_pipeline.sh builds it), then the
 # new synthesised prompts, shuffled among themselves
 P=fastmtp_sglang/data/train_prompts
@@ -59,31 +85,6 @@ tasks = [line for line in open(corpus, encoding="utf-8") if line.strip()]
 random.Random(2).shuffle(tasks)
 open(out, "w", encoding="utf-8").writelines(rows[:head] + tasks + rows[head:])
 EOF
-
-# the committed data, with the growth committed so far (restored once; a rerun appends to it)
-if [[ ! -f $W/distill.jsonl ]]; then
-    if [[ -f bench/train_data/growth/manifest.json ]]; then
-        "$BIN/python" bench/train_data.py restore "$W" --with-growth
-    else
-        "$BIN/python" bench/train_data.py restore "$W"
-    fi
-fi
-
-# LONG=1: the long kinds instead (`build_corpus_tasks.py --long`: 460-970-token prompts, as long as
-# Spec-Bench's RAG and summarization prompts; half the kept tokens/s of the short kinds; the head
-# holds its acceptance past its 512-token window on them: bench/results/long_window_probe/),
-# the same 8 samples a prompt (distill resumes a file only with its sampling settings), features
-# in a 1024-token window of their own cache (train them with MAX_LEN=1024 in head_demo.sh);
-# appended to the same distill.jsonl
-if [[ ${LONG:-0} == 1 ]]; then
-    [[ -f $W/corpus-long.jsonl ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py \
-        --long "$W/corpus-long.jsonl"
-    exec "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/corpus-long.jsonl" \
-        --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
-        --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
-        --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
-        --with-features "$W/distill-long.features" --max-len 1024 --feature-topk 32
-fi
 
 # (the committed rows name the target by the demo cache path of the machine that made them)
 "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v4.jsonl" \

@@ -11,9 +11,10 @@ needed only here, never by the product or its tests. Passages are cut to <= 190 
 prompt and answer fit the 512-token training window.
 
 `--long` writes the long kinds instead (ids corpus-long-*, shuffled): summaries of 380-500-word
-passages and questions over four country passages, prompts of ~550-800 tokens as Spec-Bench's RAG
-and summarization prompts are (660-770 tokens), which a head trained in a 512-token window never
-sees; distil and train them with --max-len 1024.
+passages and questions over four country passages, prompts of 460-970 tokens with the SmolLM2 chat
+template (median ~600-700), as long as Spec-Bench's RAG and summarization prompts (660-770
+tokens); distil and train them with --max-len 1024 (the longest lose up to ~200 answer tokens to
+that window).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 MAX_WORDS = 190
 MAX_PROMPT_WORDS = 240  # ~320 tokens: room for a ~190-token answer in the window
-LONG_WORDS = (380, 500)      # --long passages: ~500-750 tokens
-MAX_LONG_PROMPT_WORDS = 540  # ~800 tokens: with a ~220-token answer, the 1024-token window
+LONG_WORDS = (380, 500)      # --long passages
+MAX_LONG_PROMPT_WORDS = 540  # measured 460-970 prompt tokens (Factbook text has many tokens a word)
 
 
 def package_dir(name: str) -> Path:
