@@ -90,7 +90,7 @@ def test_summaries_and_extractions_stay_within_the_caps(ct):
 
 def test_long_kinds_reach_spec_bench_lengths_with_fixed_labels(ct):
     countries = [_country(n, 600) for n in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon")]
-    rows = ct.long_passages(random.Random(3), countries)
+    rows = ct.passages(random.Random(3), countries, long=True)
     assert len(rows) == 15
     for source, prompt in rows:
         assert source == "factbook:long-qa"

@@ -230,18 +230,24 @@ RAG = ["{docs}\n{q}", "{docs}\n{q}", "Answer the question using the passages bel
        "Context:\n{docs}\n\nBased on the context, {ql}", "Read the passages and answer: {q}\n\n{docs}"]
 
 
-def passages(rng: random.Random, countries) -> list[tuple[str, str]]:
+def passages(rng: random.Random, countries, long: bool = False) -> list[tuple[str, str]]:
+    """Three questions per country over its passage and other countries' (one other, ~60 words;
+    long: three others of ~100 words, the fields labelled by what they hold); one holds the answer."""
+    extras, words, n_other, other_facts, other_words = (3, 130, 3, 3, 100) if long else (2, 120, 1, 2, 60)
     out = []
     for c in countries:
         asked = [q for q in QUESTIONS if all(k in c for k in q[1])]
         for q, keys in rng.sample(asked, min(3, len(asked))):
             pool = [k for k in FACT_LINES if k in c and k not in keys]
-            extra = rng.sample(pool, min(2, len(pool)))
-            docs = [document(c, keys + extra, 120)]
-            other = rng.choice([o for o in countries if o is not c])
-            docs.insert(rng.randrange(2), document(other, rng.sample(FACT_LINES, 2), 60))
+            docs = [document(c, keys + rng.sample(pool, min(extras, len(pool))), words, fixed=long)]
+            rest = [o for o in countries if o is not c]
+            # (the short build draws its one other with choice: its prompts stay byte-identical)
+            for o in rng.sample(rest, n_other) if long else [rng.choice(rest)]:
+                docs.insert(rng.randrange(len(docs) + 1), document(o, rng.sample(FACT_LINES, other_facts),
+                                                                   other_words, fixed=long))
             qq = q.format(n=c["_name"])
-            out.append(("factbook:qa", rng.choice(RAG).format(docs="\n\n".join(docs), q=qq, ql=qq[0].lower() + qq[1:])))
+            out.append(("factbook:long-qa" if long else "factbook:qa",
+                        rng.choice(RAG).format(docs="\n\n".join(docs), q=qq, ql=qq[0].lower() + qq[1:])))
     return out
 
 
@@ -306,22 +312,6 @@ def long_summaries(rng: random.Random, countries, chunks) -> list[tuple[str, str
     return out
 
 
-def long_passages(rng: random.Random, countries) -> list[tuple[str, str]]:
-    """Questions over four country passages (~110 words each); one holds the answer."""
-    out = []
-    for c in countries:
-        asked = [q for q in QUESTIONS if all(k in c for k in q[1])]
-        for q, keys in rng.sample(asked, min(3, len(asked))):
-            pool = [k for k in FACT_LINES if k in c and k not in keys]
-            docs = [document(c, keys + rng.sample(pool, min(3, len(pool))), 130, fixed=True)]
-            for o in rng.sample([o for o in countries if o is not c], 3):
-                docs.insert(rng.randrange(len(docs) + 1), document(o, rng.sample(FACT_LINES, 3), 100, fixed=True))
-            qq = q.format(n=c["_name"])
-            out.append(("factbook:long-qa", rng.choice(RAG).format(docs="\n\n".join(docs), q=qq,
-                                                                    ql=qq[0].lower() + qq[1:])))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the prompts file to write (JSONL)")
@@ -336,7 +326,7 @@ def main() -> int:
         chunks = sotu_chunks(*LONG_WORDS)
         rng.shuffle(chunks)
         kinds = {"long-summarize": long_summaries(rng, countries, chunks[:args.sotu_summaries]),
-                 "long-rag": long_passages(rng, countries)}
+                 "long-rag": passages(rng, countries, long=True)}
         cap = MAX_LONG_PROMPT_WORDS
     else:
         chunks = sotu_chunks()
