@@ -44,14 +44,10 @@ fi
 # in a 1024-token window of their own cache (train them with MAX_LEN=1024 in head_demo.sh);
 # appended to the same distill.jsonl
 if [[ ${LONG:-0} == 1 ]]; then
-    [[ -f $W/corpus-long.jsonl ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py \
-        --long "$W/corpus-long.jsonl"
-    exec "$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/corpus-long.jsonl" \
-        --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
-        --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
-        --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
-        --with-features "$W/distill-long.features" --max-len 1024 --feature-topk 32
-fi
+    PROMPTS=$W/corpus-long.jsonl FEATURES=$W/distill-long.features MAX_LEN=1024
+    [[ -f $PROMPTS ]] || "${CORPUS_PY:-$BIN/python}" bench/train_prompts/build_corpus_tasks.py --long "$PROMPTS"
+else  # the short kinds (unindented for the heredocs below)
+PROMPTS=$W/prompts-v4.jsonl FEATURES=$W/distill.features MAX_LEN=512
 
 # the prompts: the shipped mix in its committed order (as demo_pipeline.sh builds it), then the
 # new synthesised prompts, shuffled among themselves
@@ -85,10 +81,11 @@ tasks = [line for line in open(corpus, encoding="utf-8") if line.strip()]
 random.Random(2).shuffle(tasks)
 open(out, "w", encoding="utf-8").writelines(rows[:head] + tasks + rows[head:])
 EOF
+fi
 
 # (the committed rows name the target by the demo cache path of the machine that made them)
-"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$W/prompts-v4.jsonl" \
+"$BIN/fastmtp" distill --target "$T" --batch-size "$BATCH" --prompts "$PROMPTS" \
     --target-name "${TARGET_NAME:-/root/.cache/fastmtp/smollm2-135m-instruct}" \
     --n 8 --temperature "$TEMPS" --max-new-tokens 256 \
     --exclude bench/data/spec_bench.jsonl bench/data/c_eval_zh.jsonl --out "$W/distill.jsonl" \
-    --with-features "$W/distill.features" --max-len 512 --feature-topk 32
+    --with-features "$FEATURES" --max-len "$MAX_LEN" --feature-topk 32

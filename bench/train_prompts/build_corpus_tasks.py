@@ -318,7 +318,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sotu-summaries", type=int, default=700, help="SOTU chunks used for summaries")
     ap.add_argument("--long", action="store_true",
-                    help="write the long kinds (ids corpus-long-*, ~550-800-token prompts, shuffled) instead")
+                    help="write the long kinds (ids corpus-long-*, 460-970-token prompts, shuffled) instead")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     countries = factbook()
