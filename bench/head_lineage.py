@@ -112,9 +112,9 @@ def plot(runs: list[dict[str, Any]], hlines: list[tuple[str, float]], k: str, ou
     ax.set_xlabel("optimizer steps (cumulative)")
     ax.set_ylabel(f"tau at K={k} (tokens per verification)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "lineage.png", dpi=110)
+    # below the axes: inside, it covered the first runs' points
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13))
+    fig.savefig(out / "lineage.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
