@@ -1,13 +1,15 @@
-"""SGLang 0.5.23's own model classes run on CPU in the test process (docs/design.md section 5.7):
+"""SGLang's own model classes (0.5.17 or 0.5.23) run on CPU in the test process (docs/design.md section 5.7):
 a one-process gloo group, the rotary layer kept off its vLLM op, and one EXTEND pass of fresh
 requests through SGLang's CPU KV pool with every position's hidden state captured.
 
-Used by tests/test_export_native.py (MiMoMTP serves our export) and
-tests/test_sglang_hidden_states.py (what ``return_hidden_states`` captures)."""
+Used by tests/test_sglang_model.py and tests/test_sglang_compressed.py (our model class),
+tests/test_export_native.py (MiMoMTP serves our export) and tests/test_sglang_hidden_states.py
+(what ``return_hidden_states`` captures)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from types import SimpleNamespace
 from typing import Iterator
@@ -20,7 +22,8 @@ import torch
 def sglang_on_cpu(**models) -> Iterator[SimpleNamespace]:
     """SGLang's classes for an EXTEND on CPU, plus ``models`` (name -> "module:Class" under
     ``sglang.srt.models``), while a one-process distributed group is up (torn down on exit unless
-    another module had started it)."""
+    another module had started it). The version differences (0.5.17 / 0.5.23) are
+    fastmtp_sglang.serving.sglang_versions'."""
     pytest.importorskip("sglang")
     import importlib
 
@@ -31,34 +34,51 @@ def sglang_on_cpu(**models) -> Iterator[SimpleNamespace]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
                                                               ForwardMode)
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
     from sglang.srt.runtime_context import reset_context
-    from sglang.test.layer_ut_utils import init_single_process_dist
+    from sglang.srt.server_args import ServerArgs
+
+    from fastmtp_sglang.serving import sglang_versions
 
     classes = {}
     for name, where in models.items():
         module, cls = where.split(":")
         classes[name] = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved_env = {k: os.environ.get(k) for k in dist_keys}
     ours = not parallel_state.model_parallel_is_initialized()  # another module may hold it
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rotary_base, "_is_cpu", True)  # else the rotary layer imports a vLLM op
-        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            mp.delenv(k, raising=False)
-        init_single_process_dist(master_port=port, backend="gloo")
+        mp.delenv("FASTMTP_SGLANG_VOCAB", raising=False)
+        if ours:
+            for k in dist_keys:
+                mp.delenv(k, raising=False)
+            sglang_versions.init_single_process_dist(master_port=free_port(), backend="gloo")
+        from fastmtp_sglang.models import compressed_projection, fastmtp
+
         yield SimpleNamespace(
             ModelConfig=ModelConfig, ReqToTokenPool=ReqToTokenPool,
             MHATokenToKVPool=MHATokenToKVPool, TorchNativeAttnBackend=TorchNativeAttnBackend,
             ForwardBatch=ForwardBatch, ForwardMode=ForwardMode,
-            CaptureHiddenMode=CaptureHiddenMode, ForwardContext=ForwardContext,
-            forward_context=forward_context, weights=safetensors_weights_iterator, **classes)
+            CaptureHiddenMode=CaptureHiddenMode, forward_context=sglang_versions.forward_context,
+            weights=safetensors_weights_iterator,
+            safetensors_weights_iterator=safetensors_weights_iterator, ServerArgs=ServerArgs,
+            fastmtp=fastmtp, cp=compressed_projection, **classes)
         if ours:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
             reset_context()
+    for k, v in saved_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def extend(sgl: SimpleNamespace, model, ids: list[torch.Tensor], kv_heads: int, head_dim: int,
@@ -93,6 +113,5 @@ def extend(sgl: SimpleNamespace, model, ids: list[torch.Tensor], kv_heads: int, 
         extend_start_loc=torch.tensor([0] + n[:-1]).cumsum(0), extend_seq_lens_cpu=n,
         extend_prefix_lens_cpu=[0] * len(n), **extra)
     backend.init_forward_metadata(fb)
-    with torch.no_grad(), sgl.forward_context(sgl.ForwardContext(attn_backend=backend),
-                                              forward_batch=fb):
+    with torch.no_grad(), sgl.forward_context(backend, fb):
         return model(fb.input_ids, fb.positions, fb)

@@ -244,13 +244,14 @@ def _resolved(sgl, dirs, steps: int, extra: list[str]):
     from sglang.srt.arg_groups.overrides import resolved_view
 
     from fastmtp_sglang.serving.sglang_launch import build_launch_command
+    from fastmtp_sglang.serving.sglang_versions import resolve_server_args
 
     target, draft = dirs
     argv, _ = build_launch_command(target, draft, steps, 30000, "127.0.0.1",
                                    extra + ["--device", "cpu"])
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     server_args = sgl.prepare_server_args(argv[3:])
-    server_args.resolve_once()
+    resolve_server_args(server_args)
     return server_args, resolved_view(server_args)
 
 
@@ -364,10 +365,15 @@ def test_sglang_loader_rejects_what_we_refuse_to_write(sgl, tmp_path):
 
 @pytest.mark.sglang
 def test_sglang_default_tiers_are_as_documented(sgl):
+    """The installed SGLang's built-in tiers hold exactly the K that sglang_versions says."""
     from sglang.srt.speculative.adaptive_spec_params import DEFAULT_ADAPTIVE_CONFIG
 
-    assert {bs: e["candidate_steps"] for bs, e in DEFAULT_ADAPTIVE_CONFIG.items()} == {
-        "1": [1, 3, 5, 7], "8": [0, 1, 3], "32": [0, 1], "64": [0]}
+    from fastmtp_sglang.serving.sglang_versions import adaptive_candidates, installed_version
+
+    tiers = {bs: e["candidate_steps"] for bs, e in DEFAULT_ADAPTIVE_CONFIG.items()}
+    first = {"0.5.23": [1, 3, 5, 7], "0.5.17": [1, 3, 7]}[installed_version()]
+    assert tiers == {"1": first, "8": [0, 1, 3], "32": [0, 1], "64": [0]}
+    assert adaptive_candidates() == tuple(sorted({k for ks in tiers.values() for k in ks}))
 
 
 # --------------------------------------------------------------------------------------------

@@ -986,12 +986,13 @@ def test_serve_steps_auto_reference_and_sglang_flags(world, tmp_path, capsys):
         sg("--steps", "three")
     sgl = pytest.importorskip("sglang.srt.server_args")
     from fastmtp_sglang.serving.sglang_launch import build_launch_command
+    from fastmtp_sglang.serving.sglang_versions import resolve_server_args
 
     a, flags = sg("--steps", "auto")
     argv, _ = build_launch_command(target, draft, a.steps, 30000, "127.0.0.1",
                                    flags + ["--device", "cpu"])
     server_args = sgl.prepare_server_args(argv[3:])
-    server_args.resolve_once()
+    resolve_server_args(server_args)
     assert server_args.speculative_adaptive is True and server_args.speculative_num_steps == 3
 
 

@@ -21,9 +21,7 @@ CUDA-graph capture and the Triton path of the kernel need a GPU (see docs/sglang
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +33,7 @@ from fastmtp_sglang.core.errors import MismatchError  # noqa: E402
 from fastmtp_sglang.kernels.compressed_head import compressed_head  # noqa: E402
 from fastmtp_sglang.vocab.language import SCRIPT_CJK, SCRIPT_LATIN, SCRIPT_NEUTRAL  # noqa: E402
 from fastmtp_sglang.vocab.tables import save_table, tokenizer_identity  # noqa: E402
+from sglang_cpu import sglang_on_cpu  # noqa: E402
 from test_sglang_model import KVHarness, build, make_draft, sglang_config, weights_of  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -48,52 +47,12 @@ LATIN_IDS = torch.arange(1, 160)
 CJK_IDS = torch.arange(160, V)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sgl():
     """SGLang's layers, pools and backend on CPU, world size 1 (torn down at module end, so the
     other SGLang test module can set up its own)."""
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.runtime_context import reset_context
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    saved_env = {k: os.environ.get(k) for k in dist_keys}
-    owner = not parallel_state.model_parallel_is_initialized()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rotary_base, "_is_cpu", True)
-        mp.delenv("FASTMTP_SGLANG_VOCAB", raising=False)
-        if owner:
-            init_single_process_dist(master_port=_free_port(), backend="gloo")
-        from fastmtp_sglang.models import compressed_projection, fastmtp
-
-        yield SimpleNamespace(
-            fastmtp=fastmtp, cp=compressed_projection, ReqToTokenPool=ReqToTokenPool,
-            MHATokenToKVPool=MHATokenToKVPool, TorchNativeAttnBackend=TorchNativeAttnBackend,
-            ForwardBatch=ForwardBatch, ForwardMode=ForwardMode, CaptureHiddenMode=CaptureHiddenMode,
-            ForwardContext=ForwardContext, forward_context=forward_context,
-            safetensors_weights_iterator=safetensors_weights_iterator,
-        )
-        if owner:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
-            reset_context()
-    for k, v in saved_env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sglang_on_cpu() as ns:
+        yield ns
 
 
 def _table_ids(seed: int, n_latin: int, n_cjk: int) -> torch.Tensor:
@@ -310,6 +269,23 @@ def test_slot_restarts_for_a_new_request_id(sgl, models):
     fb, ids = _extend_batch(sgl, [5], [pick(LATIN_IDS, 3, 5)], [0], ["d"])
     proj.prepare(torch.cat([ids, pick(CJK_IDS, 4, 6)]), fb)
     assert proj.slot_counts[5].tolist()[SCRIPT_CJK] == 0 and proj.row_table.tolist() == [0]
+
+
+def test_table_log_names_each_requests_table(sgl, models, monkeypatch, caplog):
+    """FASTMTP_SGLANG_LOG_TABLES=1 logs the table each request drafts with (the GPU check reads
+    it); off by default, since it costs a host sync per EXTEND."""
+    tables = models["tables"].draft_projection.table_set
+    fb, ids = _extend_batch(sgl, [1, 2], [pick(LATIN_IDS, 6, 7), pick(CJK_IDS, 6, 8)], [0, 0], ["en-1", "zh-1"])
+    with caplog.at_level("INFO", logger=sgl.cp.__name__):
+        sgl.cp.CompressedProjection(tables, models["tables"].lm_head, script_classes=SCRIPTS,
+                                    capacity=8).prepare(ids, fb)
+    assert "drafts with table" not in caplog.text
+    monkeypatch.setenv(sgl.cp.LOG_TABLES_ENV, "1")
+    with caplog.at_level("INFO", logger=sgl.cp.__name__):
+        sgl.cp.CompressedProjection(tables, models["tables"].lm_head, script_classes=SCRIPTS,
+                                    capacity=8).prepare(ids, fb)
+    assert f"request en-1 drafts with table {tables.names[0]}" in caplog.text
+    assert f"request zh-1 drafts with table {tables.names[1]}" in caplog.text
 
 
 def test_row_layouts(sgl, models):

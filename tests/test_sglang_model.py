@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -30,6 +29,8 @@ import pytest
 import torch
 
 pytest.importorskip("sglang")
+
+from sglang_cpu import sglang_on_cpu  # noqa: E402
 
 from fastmtp_sglang.core.draft_dir import load_draft_dir, load_head, make_draft_config, save_draft_dir  # noqa: E402
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError  # noqa: E402
@@ -137,49 +138,11 @@ def registry_result(registry_proc):
 # SGLang in this process: world-size-1 parallel state, CPU rotary
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def sgl(registry_proc):
     """SGLang's layers, pools and backend on CPU (imports shared by every test here)."""
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.runtime_context import reset_context
-    from sglang.srt.server_args import ServerArgs
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    saved_env = {k: os.environ.get(k) for k in dist_keys}
-    with pytest.MonkeyPatch.context() as mp:
-        # without it the rotary layer imports a vLLM op that has no CPU build
-        mp.setattr(rotary_base, "_is_cpu", True)
-        init_single_process_dist(master_port=_free_port(), backend="gloo")
-        from fastmtp_sglang.models import fastmtp
-
-        yield SimpleNamespace(
-            fastmtp=fastmtp, ReqToTokenPool=ReqToTokenPool, MHATokenToKVPool=MHATokenToKVPool,
-            TorchNativeAttnBackend=TorchNativeAttnBackend, ForwardBatch=ForwardBatch,
-            ForwardMode=ForwardMode, CaptureHiddenMode=CaptureHiddenMode,
-            ForwardContext=ForwardContext, forward_context=forward_context,
-            safetensors_weights_iterator=safetensors_weights_iterator, ServerArgs=ServerArgs,
-        )
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
-        reset_context()
-    for k, v in saved_env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sglang_on_cpu() as ns:
+        yield ns
 
 
 def sglang_config(path):
@@ -254,7 +217,7 @@ class KVHarness:
                 extend_start_loc=torch.tensor([0] + n[:-1]).cumsum(0),
                 extend_seq_lens_cpu=n, extend_prefix_lens_cpu=prefix, **common)
         self.backend.init_forward_metadata(fb)
-        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.backend), forward_batch=fb):
+        with sgl.forward_context(self.backend, fb):
             return self.model(fb.input_ids, fb.positions, fb), fb.positions
 
 

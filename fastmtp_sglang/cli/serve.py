@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.sglang_versions import PINNED, adaptive_candidates, installed_version
 
 
 def cuda_available() -> bool:
@@ -136,10 +137,11 @@ def sglang_auto_args(args: argparse.Namespace) -> list[str]:
     out = ["--speculative-adaptive"]
     if args.adaptive_config:
         return out + ["--speculative-adaptive-config", str(Path(args.adaptive_config).resolve())]
-    if args.steps not in SGLANG_DEFAULT_CANDIDATES:
+    candidates = adaptive_candidates()  # the installed SGLang's (0.5.17 and 0.5.23 differ)
+    if args.steps not in candidates:
         raise FastMTPError(f"--steps auto on SGLang starts at --auto-max-steps {args.steps}, which "
-                           "SGLang's built-in adaptive tiers do not hold: pick one of "
-                           f"{', '.join(map(str, SGLANG_DEFAULT_CANDIDATES[1:]))}, or give "
+                           f"SGLang {installed_version() or PINNED}'s built-in adaptive tiers do not "
+                           f"hold: pick one of {', '.join(map(str, candidates[1:]))}, or give "
                            "--adaptive-config")
     return out
 
@@ -246,9 +248,6 @@ def _made_for(draft, target) -> bool:
         return all(ok for _, ok, _ in check_fits(read_config(draft), cfg, tok))
     except Exception:  # an unreadable target is reported by the loader, with its own message
         return False
-
-
-SGLANG_DEFAULT_CANDIDATES = (0, 1, 3, 5, 7)  # 0.5.23's built-in adaptive tiers, all K they hold
 
 
 def parse_serve_steps(args: argparse.Namespace) -> None:

@@ -53,6 +53,7 @@ from fastmtp_sglang.vocab.language import (
 from fastmtp_sglang.vocab.tables import TableSet, resolve_table_ref
 
 logger = logging.getLogger(__name__)
+LOG_TABLES_ENV = "FASTMTP_SGLANG_LOG_TABLES"
 
 __all__ = [
     "VOCAB_ENV",
@@ -231,6 +232,9 @@ class CompressedProjection:
         self.slot_rid = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.row_table: torch.Tensor | None = None  # [bs] table per request of the current pass
         self.full_fallbacks = 0  # passes whose row layout was not per request (full head used)
+        # FASTMTP_SGLANG_LOG_TABLES=1: log each request's table at its EXTEND passes (one host
+        # sync per pass; what launch/gpu_e2e.py reads to see the per-request choice)
+        self.log_tables = os.environ.get(LOG_TABLES_ENV, "") not in ("", "0")
 
     # -- what SGLang's LogitsProcessor reads -------------------------------------------------
     @property
@@ -286,6 +290,10 @@ class CompressedProjection:
         self.slot_counts[slots] = total
         self.slot_table[slots] = table_index_from_counts(
             total, self.lang_to_table, cjk_threshold=self.cjk_threshold, default_lang=self.default_lang)
+        if self.log_tables and rids is not None and len(rids) == bs and not capturing:
+            names = self.names  # a host sync: only with FASTMTP_SGLANG_LOG_TABLES=1 (checks, debugging)
+            for r, t in zip(rids, self.slot_table[slots].tolist()):
+                logger.info("fastmtp: request %s drafts with table %s", r, names[t])
 
     def select(self, forward_batch: Any) -> None:
         """This pass's table per request: ``slot_table[req_pool_indices]`` (graph safe)."""
