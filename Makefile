@@ -18,7 +18,16 @@ EXTRAS := dev
 endif
 STAMP := $(VENV)/.installed-sglang$(SGLANG)
 
-.PHONY: setup demo test test-slow clean-venv
+# The second supported SGLang: 0.5.17 (torch 2.11.0, transformers 5.12.1), the newest release that
+# runs on a torch 2.11 image such as the lent H200's. Its own venv; `make test-sglang-0517` runs
+# every test that exercises SGLang's code there (CI runs it too; about 7 min of install).
+OLD_VENV ?= .venv-sglang0517
+OLD_STAMP := $(OLD_VENV)/.installed
+SGLANG_TESTS := tests/test_sglang_versions.py tests/test_sglang_model.py tests/test_sglang_compressed.py \
+	tests/test_export_native.py tests/test_sglang_hidden_states.py tests/test_engine_config.py \
+	tests/test_server.py::test_serve_steps_auto_reference_and_sglang_flags
+
+.PHONY: setup demo test test-slow test-sglang-0517 clean-venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,5 +51,15 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+$(OLD_STAMP): pyproject.toml
+	$(PY) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/pip install -q --upgrade pip
+	$(OLD_VENV)/bin/pip install -q "torch==2.11.0"
+	$(OLD_VENV)/bin/pip install -q "torch==2.11.0" "sglang==0.5.17" -e ".[dev]"
+	touch $(OLD_STAMP)
+
+test-sglang-0517: $(OLD_STAMP)
+	$(OLD_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLD_VENV)

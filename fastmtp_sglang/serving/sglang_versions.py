@@ -35,6 +35,14 @@ from fastmtp_sglang.core.errors import FastMTPError
 SUPPORTED = ("0.5.17", "0.5.23")
 PINNED = "0.5.23"  # the `sglang` extra of pyproject.toml
 
+# The offline bundle's route on the lent H200 (launch/gpu_bundle.py): flashinfer is a stand-in, so
+# attention (target and draft) runs on SGLang's triton backend and sampling in pytorch; no grammar
+# backend (xgrammar's library is trimmed). tests/test_sglang_versions.py parses these with each
+# version's own ServerArgs.
+BUNDLE_ROUTE_ARGS = ["--attention-backend", "triton", "--speculative-draft-attention-backend", "triton",
+                     "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+BUNDLE_ROUTE_ENV = {"SGLANG_IS_FLASHINFER_AVAILABLE": "false"}
+
 # K that each version's built-in adaptive tiers hold (0 = no speculation, at large batches),
 # read from sglang.srt.speculative.adaptive_spec_params.DEFAULT_ADAPTIVE_CONFIG of each release
 # (tests/test_sglang_versions.py checks the installed one against this table).
