@@ -1,6 +1,6 @@
 """The offline bundle that lets the lent H200 run SGLang 0.5.17 with our head, built on a CPU.
 
-    python launch/gpu_bundle.py build [--out .gpu_bundle] [--part-mib 44]
+    python launch/gpu_bundle.py build [--out .gpu_bundle] [--part-mib N]
     python launch/gpu_bundle.py check --python /path/to/py312-with-torch-2.11/bin/python
     python launch/gpu_bundle.py imports --python /path/to/full-sglang-0.5.17-venv/bin/python
     python3 launch/gpu_bundle.py unpack --bundle DIR --dest DIR   # on the GPU machine (stdlib only)
@@ -259,7 +259,12 @@ def build(a: argparse.Namespace) -> int:
         if tar.wait() != 0:
             raise SystemExit("gpu_bundle: tar failed")
     shutil.rmtree(stage)
-    parts = split(archive, out, a.part_mib << 20)
+    total = archive.stat().st_size
+    most = (a.part_mib << 20) if a.part_mib else int(subprocess.run(
+        [sys.executable, str(REPO / "launch" / "gpu_lease.py"), "room"], check=True,
+        capture_output=True, text=True).stdout)
+    count = -(-total // most)  # as few parts as fit, then all of one size
+    parts = split(archive, out, -(-total // count))
     archive.unlink()
     fi_bytes = sum(p.stat().st_size for p in fi_route.values())
     manifest = {
@@ -387,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=str(REPO / ".gpu_bundle"), help="output folder (default .gpu_bundle)")
     b.add_argument("--cache", default=str(Path.home() / ".cache" / "fastmtp" / "gpu_bundle_wheels"),
                    help="wheel cache (kept between builds)")
-    b.add_argument("--part-mib", type=int, default=44, help="MiB per part: 64 MiB per call minus the "
-                   "working tree a call carries (launch/gpu_lease.py measures it; default 44)")
+    b.add_argument("--part-mib", type=int, default=None, help="largest part in MiB (default: what a "
+                   "call holds beside the shrunk working tree: python launch/gpu_lease.py room)")
     b.add_argument("--xz-level", type=int, default=6, help="xz preset (default 6)")
     c = sub.add_parser("check", help="unpack into a clean folder and import the server stack")
     c.add_argument("--bundle", default=str(REPO / ".gpu_bundle"))

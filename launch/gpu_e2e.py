@@ -20,7 +20,8 @@ written to OUT as it ends, and none started past ``--deadline-s``:
    ``--engine reference --dtype float32`` on a CPU: our reference engine, same prompts, same head)
    SGLang's tau must be within --tau-tolerance (0.02) of ours, and K=0's tokens are compared;
 4. the per-request vocabulary: an English and a Chinese request to the first K>0 server, whose
-   log (FASTMTP_SGLANG_LOG_TABLES=1) must name each request's table;
+   log (FASTMTP_SGLANG_LOG_TABLES=1) must name each request's table; then a server given a table
+   of another tokenizer (Qwen2's) must refuse to start, naming the mismatch;
 5. ``fastmtp bench --url ...`` against the running servers (batch 1, and --concurrency levels);
 6. OUT/e2e.json and OUT/e2e.md: verdicts, numbers, versions, the commands. Exit 0 only when
    every check that ran passed and no K was skipped.
@@ -115,7 +116,7 @@ class Servers:
         self.commands: dict[int, str] = {}
         self.startup_s: dict[int, float] = {}
 
-    def command(self, k: int, port: int) -> tuple[list[str], dict[str, str]]:
+    def command(self, k: int, port: int, vocab: str | None = None) -> tuple[list[str], dict[str, str]]:
         cfg = self.cfg
         if cfg.engine == "reference":
             argv = [sys.executable, "-m", "fastmtp_sglang", "serve", "--engine", "reference",
@@ -131,7 +132,7 @@ class Servers:
             extra += BUNDLE_ROUTE_ARGS
             env.update(BUNDLE_ROUTE_ENV)
         argv, launch_env = build_launch_command(self.target, self.draft, k, port, cfg.host,
-                                                extra + cfg.extra_args)
+                                                extra + cfg.extra_args, vocab=vocab)
         return argv, {**env, **launch_env}
 
     def start(self, k: int) -> str:
@@ -160,6 +161,32 @@ class Servers:
         self.urls[k] = url
         log(f"K={k}: healthy at {url} after {self.startup_s[k]:.0f} s")
         return url
+
+    def refused(self, vocab: str, timeout: float) -> dict:
+        """Start a K=1 server whose draft vocabulary is ``vocab`` (a table of another tokenizer):
+        it must exit before it is healthy, its log naming the mismatch."""
+        from fastmtp_sglang.serving.sglang_launch import format_command, wait_for_health
+
+        port = self.cfg.port + 9
+        argv, env = self.command(1, port, vocab=vocab)
+        path = self.cfg.out / "logs" / "server_mismatched_table.log"
+        t0 = time.monotonic()
+        with open(path, "w") as f:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=self.cfg.out)
+        try:
+            wait_for_health(f"http://{self.cfg.host}:{port}", timeout, interval=2.0, process=proc)
+            came_up = True
+        except Exception:  # noqa: BLE001 - exiting is what we want; a timeout is judged below
+            came_up = False
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        text = path.read_text(errors="replace")
+        named = [ln.strip()[:300] for ln in text.splitlines() if "was built for tokenizer" in ln]
+        return {"command": format_command(argv, env), "came_up": came_up, "exit_code": proc.returncode,
+                "seconds": round(time.monotonic() - t0, 1), "message": named[:1],
+                "ok": not came_up and bool(named)}
 
     def stop(self) -> None:
         for k, proc in self.procs.items():
@@ -315,6 +342,10 @@ def versions() -> dict:
     return out
 
 
+def _stop_on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(cfg: Config) -> int:
     import torch
 
@@ -380,6 +411,11 @@ def main(cfg: Config) -> int:
 
             report["vocab"] = vocab_check(servers.urls[spec[0]], cfg.out / "logs" / f"server_k{spec[0]}.log",
                                           AutoTokenizer.from_pretrained(str(target)))
+        if cfg.engine == "sglang" and spec and cfg.time_left() > 150:
+            # a table built for Qwen2's tokenizer, served with SmolLM2: refused at load, by name
+            report["mismatched_table"] = servers.refused("builtin:qwen2/en-32768",
+                                                         timeout=min(120.0, cfg.time_left() - 30))
+            save()
         bench_rc, bench_cmd = None, None
         if cfg.engine == "sglang" and cfg.time_left() > 60:  # the reference's: fastmtp bench --engine reference
             label = (f"{'SGLang ' + str(report['versions']['sglang']) if cfg.engine == 'sglang' else 'reference'}"
@@ -401,6 +437,8 @@ def main(cfg: Config) -> int:
             if ref is not None:
                 checks[f"tau K={k} {t:.3f} within {cfg.tau_tolerance} of the reference engine's {ref:.3f}"] = \
                     abs(t - ref) <= cfg.tau_tolerance
+    if "mismatched_table" in report:
+        checks["a table of another tokenizer is refused at start, by name"] = report["mismatched_table"]["ok"]
     for lang, v in report.get("vocab", {}).items():
         checks[f"{lang} request drafts with an {lang} table ({', '.join(v['tables']) or 'none logged'})"] = v["ok"]
     if bench_rc is not None:
@@ -479,4 +517,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 if __name__ == "__main__":
+    # `timeout` sends SIGTERM: unwind, so the servers stop and what ran is saved
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sys.exit(main(parse_args()))

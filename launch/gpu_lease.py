@@ -4,11 +4,12 @@
     python launch/gpu_lease.py plan      # print the calls again (JSON: command, carry, timeout_s)
     python launch/gpu_lease.py restore   # after the lease: put the shrunk folders back
     python launch/gpu_lease.py collect DIR  # copy a lease's returned files to bench/results/sglang_e2e_h200/
+    python launch/gpu_lease.py room      # bytes a bundle part may have (gpu_bundle.py build asks)
 
 A device call carries at most 64 MiB: the working tree plus the paths it names in ``carry``. The
 bundle (``launch/gpu_bundle.py build``) is split into parts that fit beside the tree once the
-tree is shrunk: ``prepare`` takes the largest tracked folders that the GPU run never reads
-(``bench/train_data``, ``bench/results``) out of the index (``git rm --cached``) and moves them to
+tree is shrunk: ``prepare`` takes the tracked folders that the GPU run never reads
+(``bench/train_data``, ``bench/results``, ``tests``, ``docs``) out of the index (``git rm --cached``) and moves them to
 ``.lease_stash/`` (ignored), so that they neither count as tracked nor as untracked files; ``restore``
 moves them back and re-adds them (the commit history is never touched).
 
@@ -35,8 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BUNDLE = REPO / ".gpu_bundle"
 STASH = REPO / ".lease_stash"
-SHRINK = ("bench/train_data", "bench/results")  # tracked, large, never read by the GPU run
+SHRINK = ("bench/train_data", "bench/results", "tests", "docs")  # tracked, never read by the GPU run
 CALL_LIMIT = 64 << 20
+MARGIN = 1 << 20  # besides a part: the manifest or expected.json (~10 KB), and files added later
 RESULTS = REPO / "bench" / "results" / "sglang_e2e_h200"
 # our reference engine's answers on the GPU run's prompts (float32, greedy, the shipped head): committed,
 # since they take ~10 min of CPU; gpu_e2e.py refuses them if the head changed
@@ -49,9 +51,10 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 
 
-def tree_bytes(repo: Path = REPO) -> int:
-    """What a device call carries of the checkout: tracked files and untracked files not ignored."""
-    names = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
+def tree_bytes(repo: Path = REPO, paths: tuple[str, ...] = ()) -> int:
+    """What a device call carries of the checkout (of ``paths`` only, if given): tracked files
+    and untracked files not ignored."""
+    names = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths).split("\0")
     return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
 
 
@@ -88,6 +91,11 @@ def restore(repo: Path = REPO, folders: tuple[str, ...] = SHRINK) -> None:
             shutil.move(str(src), str(repo / folder))
         git(repo, "reset", "-q", "--", folder)
     shutil.rmtree(stash, ignore_errors=True)
+
+
+def room(repo: Path = REPO) -> int:
+    """Bytes a bundle part may have: a call's limit minus the tree once shrunk, minus a margin."""
+    return CALL_LIMIT - (tree_bytes(repo) - tree_bytes(repo, SHRINK)) - MARGIN
 
 
 def plan(deadline: int) -> list[dict]:
@@ -129,7 +137,7 @@ def collect(src: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=("prepare", "plan", "restore", "collect"))
+    ap.add_argument("step", choices=("prepare", "plan", "restore", "collect", "room"))
     ap.add_argument("dir", nargs="?", help="collect: the folder the last call's files came back to")
     ap.add_argument("--deadline", type=int, default=420, help="seconds gpu_e2e.py may take in the "
                     "last call (its limit is 600 s with unpacking and the import check)")
@@ -137,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.step == "restore":
         restore()
         print(f"gpu_lease: restored {', '.join(SHRINK)}; tree {tree_bytes() / 2**20:.1f} MiB")
+        return 0
+    if a.step == "room":  # what launch/gpu_bundle.py build sizes its parts by
+        print(room())
         return 0
     if a.step == "collect":
         if not a.dir:

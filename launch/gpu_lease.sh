@@ -42,19 +42,30 @@ run)
     set -e
     cd "$LEASE"   # never the repository root: its kernels/ folder would shadow PyPI's kernels
     "$PY" "$REPO/launch/gpu_bundle.py" unpack --bundle "$LEASE/parts" --dest "$LEASE"
-    # our package from the carried tree, with the bundle's setuptools, no index
-    PYTHONPATH="$LEASE/site" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
-        --target "$LEASE/ours" "$REPO"
+    echo "[gpu_lease $(date -u +%T)] unpacked; installing fastmtp-sglang from the carried tree"
+    # our package from the carried tree, with the bundle's setuptools, no index; should pip refuse,
+    # the same layout by hand (pyproject.toml's package-dir: kernels/ and vocab_tables/ inside)
+    if ! PYTHONPATH="$LEASE/site" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+            --target "$LEASE/ours" "$REPO"; then
+        echo "[gpu_lease] pip install failed; copying the package layout instead"
+        rm -rf "$LEASE/ours" && mkdir -p "$LEASE/ours"
+        cp -r "$REPO/fastmtp_sglang" "$LEASE/ours/"
+        cp -r "$REPO/kernels" "$LEASE/ours/fastmtp_sglang/kernels"
+        cp -r "$REPO/vocab_tables" "$LEASE/ours/fastmtp_sglang/vocab_tables"
+        cp -r "$REPO/bench/data" "$LEASE/ours/fastmtp_sglang/eval_data"
+    fi
     export PYTHONPATH="$LEASE/site:$LEASE/ours" PYTHONUNBUFFERED=1
     set +e
+    echo "[gpu_lease $(date -u +%T)] installed; the import check on the GPU"
     "$PY" "$REPO/launch/gpu_probe_imports.py" --out "$OUT/imports.json"
+    echo "[gpu_lease $(date -u +%T)] launch/gpu_e2e.py, deadline ${DEADLINE} s"
     EXPECTED=()
     [[ -f $LEASE/parts/expected.json ]] && EXPECTED=(--expected "$LEASE/parts/expected.json")
     timeout $((DEADLINE + 90)) "$PY" "$REPO/launch/gpu_e2e.py" --out "$LEASE/e2e" --dtype float32 \
         --route bundle --steps "$STEPS" --deadline-s "$DEADLINE" --concurrency 1,4,16 "${EXPECTED[@]}"
     rc=$?
     cp "$LEASE/e2e/e2e.md" "$LEASE/e2e/e2e.json" "$OUT/" 2>/dev/null
-    tar czf "$OUT/e2e_results.tgz" -C "$LEASE" e2e
+    [[ -d $LEASE/e2e ]] && tar czf "$OUT/e2e_results.tgz" -C "$LEASE" e2e
     echo "[gpu_lease $(date -u +%T)] gpu_e2e.py exit $rc"
     exit $rc
     ;;
