@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=("prepare", "plan", "restore", "collect", "room"))
     ap.add_argument("dir", nargs="?", help="collect: the folder the last call's files came back to")
-    ap.add_argument("--deadline", type=int, default=420, help="seconds gpu_e2e.py may take in the "
+    ap.add_argument("--deadline", type=int, default=400, help="seconds gpu_e2e.py may take in the "
                     "last call (its limit is 600 s with unpacking and the import check)")
     a = ap.parse_args(argv)
     if a.step == "restore":

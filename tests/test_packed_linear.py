@@ -18,7 +18,7 @@ from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
 from test_continuous import live_successor_world
 
-pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch build has no oneDNN linear ops")
+pytestmark = pytest.mark.skipif(not pl.available(), reason=str(pl.unavailable_reason()))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:

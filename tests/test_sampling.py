@@ -200,6 +200,25 @@ def test_sample_distribution_and_zero_probability():
     assert (q.gather(1, ids[:, None]) > 0).all()
 
 
+def test_sample_at_the_top_of_the_uniform_takes_the_last_token_with_mass(monkeypatch):
+    """The inverse-CDF draw: a uniform that rounds up to the row's total mass (u * total ==
+    total) still lands on a token with probability, not past the end or on a trailing zero."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(*a[:2] if len(a) > 1 else a[0]))
+    p = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0, 1.0]])
+    assert sample(p).tolist() == [2, 4]
+
+
+def test_row_distribution_does_not_depend_on_other_rows_filters():
+    """An unfiltered row gets the same probabilities (bit for bit) alone or beside a top-p and a
+    greedy row, so a seeded row draws the same token whatever else is batched."""
+    logits = torch.randn(3, 200, generator=gen(4))
+    alone = logits_to_probs(logits[:1], 1.0, 1.0, -1)
+    mixed = logits_to_probs(logits, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 0.9, 1.0]),
+                            torch.tensor([-1, -1, -1]))
+    assert torch.equal(alone[0], mixed[0])
+    assert (mixed[1] > 0).sum() < 200 and mixed[2].max() == 1.0
+
+
 def test_sample_honours_generator():
     p = torch.softmax(torch.randn(1000, 50, generator=gen(0)), -1)
     assert torch.equal(sample(p, gen(9)), sample(p, gen(9)))

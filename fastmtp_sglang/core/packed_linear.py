@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fastmtp_sglang.core import cpu_amx
-from fastmtp_sglang.core.hardware import fast_bf16
+from fastmtp_sglang.core.hardware import cpu_flags, fast_bf16
 
 _HINT = 16  # oneDNN's batch-size hint for the layout: exact at every row count we measured from 8 up
 _ATTR = "_fastmtp_packed"
@@ -48,9 +48,25 @@ FUSED_MAX_ROWS = 64  # fused q/k/v was bit-identical to three products up to her
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+# oneDNN's bf16 weight reorder refuses other CPUs ("bf16 path needs the cpu support
+# avx_ne_convert or avx512bw, avx512vl and avx512dq"): an AVX2-only EPYC raises
+_BF16_REORDER_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}),
+                       frozenset({"amx_bf16"}))
+
+
+def unavailable_reason() -> str | None:
+    """Why prepared bf16 linears cannot run here (None: they can)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return "this torch build has no oneDNN linear ops"
+    flags = cpu_flags()
+    if not any(need <= flags for need in _BF16_REORDER_FLAGS):
+        return "this CPU cannot run oneDNN's bf16 reorder (needs avx512bw+avx512vl+avx512dq, avx_ne_convert or AMX)"
+    return None
+
+
 def available() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return unavailable_reason() is None
 
 
 def _version(w: torch.Tensor) -> tuple[int, int]:
@@ -231,7 +247,7 @@ def wanted(model: torch.nn.Module, mode: str = "auto") -> bool:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return False
-    return mode == "on" or (p.dtype == torch.bfloat16 and fast_bf16())
+    return available() and (mode == "on" or (p.dtype == torch.bfloat16 and fast_bf16()))
 
 
 def pack_for_inference(model: torch.nn.Module, head: torch.nn.Module | None = None,

@@ -197,7 +197,31 @@ def logits_to_probs(
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / safe_t[:, None], dim=-1)
+    # The sort behind top-k / top-p (7 ms a row at 49K entries on 2 cores) and the one-hot of
+    # greedy rows are skipped when no row needs them (docs/results.md, "Sampling as cheap as greedy")
+    if _any(((top_k > 0) | (top_p < 1))):
+        probs = _top_k_top_p(probs, top_p, top_k)
+    if _any(greedy):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
 
+
+def _any(flags: torch.Tensor) -> bool:
+    """``flags.any()`` where it costs no device sync (CPU); True on an accelerator, where the
+    work it would skip is a no-op for the rows it does not concern."""
+    return flags.device.type != "cpu" or bool(flags.any())
+
+
+def _top_k_top_p(
+    probs: torch.Tensor,  # [N, V] float32, rows sum to 1
+    top_p: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """Top-k, then top-p on what top-k kept, then renormalise. Rows that keep everything are
+    returned unchanged, so a row's distribution does not depend on the other rows' filters."""
+    n, v = probs.shape
+    dev = probs.device
     # One sort serves both filters. Ranks are positions in the sorted order, so top-k keeps
     # exactly k tokens even among ties.
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -215,11 +239,9 @@ def logits_to_probs(
     in_nucleus = (before < top_p[:, None] * total) | (top_p[:, None] >= 1)
     keep_sorted &= in_nucleus
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    probs = torch.where(keep, probs, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    kept = torch.where(keep, probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.where(((top_k > 0) | (top_p < 1))[:, None], kept, probs)
 
 
 def sample(
@@ -242,9 +264,17 @@ def sample(
     """
     if probs.ndim != 2:
         raise ValueError(f"probs must be [N, V], got shape {tuple(probs.shape)}")
-    # For one sample, torch.multinomial is the exponential race argmax(p / Exp(1)) in ATen: no
-    # host sync, and p == 0 gives 0 / E = 0, which never wins against a positive entry.
-    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)
+    # Inverse CDF: one uniform per row, the first entry whose running mass exceeds u * total.
+    # A zero-probability entry adds nothing to the running mass, so it is never the first to
+    # exceed it. (torch.multinomial draws V exponentials a row: 2 ms at 49K entries against
+    # 0.13 ms here, AMD EPYC, 2 threads.) No host sync.
+    probs = probs.float()
+    cum = probs.cumsum(dim=-1)                                                    # [N, V]
+    u = torch.rand(probs.shape[0], 1, device=probs.device, generator=generator)  # [N, 1] in [0, 1)
+    pick = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(-1)     # [N]
+    # u * total can round up to the total itself: take the last entry with mass then
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(pick, last)
 
 
 TOPK_FAST = 1024  # rows with 0 < top_k <= this draw from their top-k logits (sample_rows)
