@@ -200,13 +200,13 @@ def test_e2e_reference_run_writes_expected_and_a_later_run_meets_it(e2e_models, 
     assert report["greedy"]["2"]["identical"] == 1.0 and report["passed"]
 
     # the same head against that file: K=0 tokens identical (deterministic CPU fp32); a frozen
-    # clock with 20 s left runs K=0 (always) and skips K=2, which fails "every K ran"
+    # clock with 20 s left runs K=0 (always) and skips K=2, which fails "every K and stage ran"
     frozen = e2e.Config(out=tmp_path / "again", port=_free_port_block(3), expected=tmp_path / "ref" / "expected.json",
                         deadline_s=20.0, clock=lambda: 0.0, **common)
     assert e2e.main(frozen) == 1
     report = json.loads((tmp_path / "again" / "e2e.json").read_text())
     assert report["skipped"] == [2] and report["k0_identical_to_reference"] == 1.0
-    assert report["checks"] == {"every K ran": False}
+    assert report["checks"] == {"every K and stage ran": False}
 
     # expected.json from another head is refused before any server starts
     other = dict(expected, draft_sha256="0" * 64)
