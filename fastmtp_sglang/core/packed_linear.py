@@ -32,6 +32,7 @@ independent of the other rows, and a fused product equals the separate ones exac
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -54,8 +55,10 @@ _BF16_REORDER_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozense
                        frozenset({"amx_bf16"}))
 
 
+@functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
-    """Why prepared bf16 linears cannot run here (None: they can)."""
+    """Why prepared bf16 linears cannot run here (None: they can). Fixed for the process (the
+    draft step asks on every call)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this torch build has no oneDNN linear ops"

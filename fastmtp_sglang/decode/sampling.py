@@ -199,8 +199,9 @@ def logits_to_probs(
     probs = torch.softmax(logits / safe_t[:, None], dim=-1)
     # The sort behind top-k / top-p (7 ms a row at 49K entries on 2 cores) and the one-hot of
     # greedy rows are skipped when no row needs them (docs/results.md, "Sampling as cheap as greedy")
-    if _any(((top_k > 0) | (top_p < 1))):
-        probs = _top_k_top_p(probs, top_p, top_k)
+    filters = (top_k > 0) | (top_p < 1)  # [N]: rows that keep less than the vocabulary
+    if _any(filters):
+        probs = _top_k_top_p(probs, top_p, top_k, filters)
     if _any(greedy):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
@@ -217,6 +218,7 @@ def _top_k_top_p(
     probs: torch.Tensor,  # [N, V] float32, rows sum to 1
     top_p: torch.Tensor,  # [N]
     top_k: torch.Tensor,  # [N]
+    filters: torch.Tensor,  # [N] bool, (top_k > 0) | (top_p < 1)
 ) -> torch.Tensor:
     """Top-k, then top-p on what top-k kept, then renormalise. Rows that keep everything are
     returned unchanged, so a row's distribution does not depend on the other rows' filters."""
@@ -241,7 +243,7 @@ def _top_k_top_p(
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     kept = torch.where(keep, probs, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.where(((top_k > 0) | (top_p < 1))[:, None], kept, probs)
+    return torch.where(filters[:, None], kept, probs)
 
 
 def sample(
@@ -266,15 +268,16 @@ def sample(
         raise ValueError(f"probs must be [N, V], got shape {tuple(probs.shape)}")
     # Inverse CDF: one uniform per row, the first entry whose running mass exceeds u * total.
     # A zero-probability entry adds nothing to the running mass, so it is never the first to
-    # exceed it. (torch.multinomial draws V exponentials a row: 2 ms at 49K entries against
-    # 0.13 ms here, AMD EPYC, 2 threads.) No host sync.
+    # exceed it. (torch.multinomial draws V exponentials a row: bench/results/sampling_cost/.)
+    # No host sync.
     probs = probs.float()
     cum = probs.cumsum(dim=-1)                                                    # [N, V]
+    total = cum[:, -1:]                                                           # [N, 1]
     u = torch.rand(probs.shape[0], 1, device=probs.device, generator=generator)  # [N, 1] in [0, 1)
-    pick = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(-1)     # [N]
-    # u * total can round up to the total itself: take the last entry with mass then
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(pick, last)
+    # u * total can round up to the total itself; the float just below it still lands on the
+    # last entry with mass (no cumulative sum lies strictly between the two)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, x, right=True).squeeze(-1)
 
 
 TOPK_FAST = 1024  # rows with 0 < top_k <= this draw from their top-k logits (sample_rows)
