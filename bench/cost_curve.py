@@ -4,6 +4,7 @@ read bandwidth). Run it on an idle machine.
 
     python bench/cost_curve.py --out bench/results/cost_curve                 # demo target + shipped head
     python bench/cost_curve.py --target T --draft D --dtypes float32 --out R/
+    python bench/cost_curve.py --dtypes float32 --sampled --out R/            # + rows at temperature 1
 
 Writes R/costs.json (one curve per dtype, with the CPU's model and flags), R/costs.md and
 R/costs.png (ms against tokens per forward, floor dashed). Library: fastmtp_sglang.decode.costs.
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                    "without fused projections (' unfused') and with transformers' own DynamicCache, sdpa "
                    "attention and F.linear (' stock': the engine before decode/slot_cache.py and "
                    "core/packed_linear.py)")
+    p.add_argument("--sampled", action="store_true", help="also time the plain step and the draft "
+                   "step when the request samples at temperature 1 (the token drawn, the draft's q "
+                   "built), beside the greedy ones in the same interleaved rounds")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     if args.target is None:
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                          (" stock", True, True, False), (" again", False, True, True)]
         for suffix, stock, fuse, lean in variants:
             curve = measure(target, head, vocab, ns=ns, context=args.context, repeats=args.repeats,
-                            batch=args.batch, stock=stock, fuse=fuse, lean=lean)
+                            batch=args.batch, stock=stock, fuse=fuse, lean=lean, sampled=args.sampled)
             curves[dtype + suffix] = curve.to_json()
             tables[dtype + suffix] = markdown(curve)
             print(f"{dtype}{suffix}\n{tables[dtype + suffix]}")

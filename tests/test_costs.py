@@ -25,6 +25,7 @@ def test_measure_times_every_call_of_a_cycle():
     before = [p.clone() for p in head.parameters()]
     curve = measure(t, head, ns=(1, 2, 4), context=16, repeats=3, warmup=1, bandwidth_mib=16)
     assert isinstance(curve, CostCurve)
+    assert curve.plain_sampled_ms is None and curve.draft_step_sampled_ms is None  # (sampled=False)
     assert sorted(curve.verify_ms) == [1, 2, 4] and sorted(curve.extend_ms) == [1, 2, 4]
     assert all(v > 0 for v in curve.verify_ms.values()) and curve.draft_step_ms > 0
     assert curve.plain_ms == curve.verify_ms[1] and curve.verify_ratio(1) == 1.0
@@ -36,6 +37,22 @@ def test_measure_times_every_call_of_a_cycle():
     assert js["plain_over_floor"] > 0 and js["verify_ratio"][4] == curve.verify_ratio(4)
     text = markdown(curve)
     assert "plain step (1 token)" in text and "verify 4 tokens" in text and "draft step" in text
+
+
+def test_sampled_calls_join_the_curve_when_asked():
+    """temperature 1: the plain step's token and the draft step's (over a compressed table too)
+    are drawn as the engine draws them; both rows appear in the table."""
+    from test_engine_vocab import make_vocab
+
+    t = tiny_target("llama")
+    head = random_head(t)
+    vocab = make_vocab(t, [list(range(0, 97, 3))], ["en"])
+    for dv in (None, vocab):
+        curve = measure(t, head, dv, ns=(1, 2), context=8, repeats=2, warmup=1, bandwidth_mib=16,
+                        sampled=True)
+        assert curve.plain_sampled_ms > 0 and curve.draft_step_sampled_ms > 0
+        text = markdown(curve)
+        assert "plain step, sampled (T=1)" in text and "draft step, sampled (T=1)" in text
 
 
 def test_measure_without_a_head_times_the_target_only():

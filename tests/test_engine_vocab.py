@@ -121,3 +121,33 @@ def test_sampling_with_compressed_q_is_lossless():
     # tokens outside the table are emitted too (through the residual), at their target rate
     outside = [i for i in range(v) if i not in (0, 2, 3, 5, 7)]
     assert emp[outside].sum().item() == pytest.approx(want[outside].sum().item(), abs=0.04)
+
+
+@pytest.mark.parametrize("rows,extra", [(1, False), (2, False), (1, True)])
+def test_sampled_draft_draws_from_the_full_width_softmax(rows, extra):
+    """A sampled draft step works on the table's slots only (batch 1 on CPU: one product with the
+    table's rows); its q must equal the softmax of the full-width logits (-inf outside the table),
+    and its tokens must follow q."""
+    from fastmtp_sglang.decode.batch import Batch
+    from fastmtp_sglang.decode.sampling import logits_to_probs
+
+    t = tiny_target("llama", seed=12)
+    head = random_head(t, "deepseek", seed=13)
+    vocab = make_vocab(t, [list(range(0, 97, 2)), list(range(5, 90))], ["en", "zh"],
+                       extra="prompt" if extra else "none")
+    eng = ReferenceEngine(t, head, 2, draft_vocab=vocab)
+    reqs = [Request([3, 4, 5], SamplingParams(temperature=0.7, seed=i)) for i in range(rows)]
+    b = Batch(eng, reqs, list(range(rows)))
+    b.tidx = torch.tensor([1, 0][:rows])
+    b.extra = torch.tensor([[3, 99, 99, -1, 100]] * rows) if extra else None
+    g = torch.randn(rows, t.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(1)) * 3
+    want = logits_to_probs(vocab.logits(g, b.tidx, b.extra), 0.7, 1.0, -1)        # [rows, V]
+    n = 3000
+    counts = torch.zeros_like(want)
+    for _ in range(n):
+        toks, q = b.draft_pick(g)
+        counts[torch.arange(rows), toks] += 1
+    torch.testing.assert_close(q, want, rtol=1e-5, atol=1e-6)
+    assert (want[torch.arange(rows), toks] > 0).all()
+    tv = 0.5 * (counts / n - want).abs().sum(-1)
+    assert (tv < 0.06).all(), tv

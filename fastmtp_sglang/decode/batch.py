@@ -163,7 +163,8 @@ class Batch:
             return self.pick(e.head.project(g).float())
         if self.greedy:
             return e.draft_vocab.greedy(g, self.tidx, self.extra), None
-        return self.pick(e.draft_vocab.logits(g, self.tidx, self.extra).float())
+        return sample_draft(e.draft_vocab, g, self.tidx, self.extra, self.temp, self.top_p,
+                            self.top_k, self.gens)
 
     # -- rows leaving and joining -------------------------------------------------------------------
     def finished(self) -> list[Row]:
@@ -265,6 +266,24 @@ class Batch:
         now = time.perf_counter()
         for r in self.rows:
             r.t_decode = now
+
+
+def sample_draft(vocab, g: torch.Tensor, tidx: torch.Tensor, extra: torch.Tensor | None,
+                 temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 gens: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled draft step over a compressed vocabulary (``vocab``: vocab.draft_vocab.DraftVocab):
+    the head's output g [n, H] -> (draft tokens [n], q [n, V]). The softmax and the draw run over
+    each row's table slots only (16K, not the 49K vocabulary; batch 1 on CPU: the one product of
+    the greedy step); q is zero outside them, so it is built by spreading the slots'
+    probabilities into a zero row (a masked slot: padding, a duplicate or out-of-range extra id,
+    has probability 0 and adds nothing). temp/top_p/top_k [n] and one generator per row, as
+    ``Batch._index`` keeps them."""
+    lg, ids = vocab.compressed_logits(g, tidx, extra)                                # [n, S] each
+    probs = logits_to_probs(lg, temp, top_p, top_k)                                  # [n, S]
+    slot = torch.cat([sample(probs[i:i + 1], gen) for i, gen in enumerate(gens)])
+    toks = ids.gather(1, slot[:, None])[:, 0]
+    V = vocab.vocab_size
+    return toks, probs.new_zeros(len(gens), V).scatter_add_(1, ids.clamp(0, V - 1), probs)
 
 
 def _cat_padded(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:

@@ -22,8 +22,10 @@ import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
 from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
+from fastmtp_sglang.decode.batch import sample_draft
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
+from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, sample, sample_rows
 
 
 def cpu_description() -> dict[str, Any]:
@@ -77,6 +79,10 @@ class CostCurve:
     batch: int = 1                              # rows per call
     lean_forward: bool = False                  # the target ran through decode/lean_forward.py
     packed_linear: bool = False                 # linear layers on prepared oneDNN weights
+    # the same calls when the request samples (temperature 1, no top-k/top-p): the plain step's
+    # token drawn from the softmax, the draft step's drawn over its table with q for verification
+    plain_sampled_ms: float | None = None
+    draft_step_sampled_ms: float | None = None
 
     @property
     def plain_ms(self) -> float:
@@ -114,7 +120,8 @@ def interleaved_ms(calls: dict[str, Any], repeats: int, warmup: int = 3) -> dict
 @torch.inference_mode()
 def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8),
             context: int = 200, repeats: int = 15, warmup: int = 3, bandwidth_mib: int = 512,
-            batch: int = 1, stock: bool = False, fuse: bool = True, lean: bool = True) -> CostCurve:
+            batch: int = 1, stock: bool = False, fuse: bool = True, lean: bool = True,
+            sampled: bool = False) -> CostCurve:
     """Time the calls of one speculative cycle at batch ``batch`` (see the module docstring).
 
     ``target``: fastmtp_sglang.core.target.Target; ``head``: FastMTPHead or None (then only the
@@ -127,7 +134,8 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     (core/packed_linear.py), for a side-by-side comparison; ``fuse`` False: prepared weights
     without the fused q/k/v and gate/up products; ``lean`` False: the target's forward through
     transformers' model instead of the engine's lean forward (decode/lean_forward.py; ``stock``
-    implies it)."""
+    implies it); ``sampled``: also time the plain step and the draft step when the request
+    samples at temperature 1 (``plain_sampled_ms``, ``draft_step_sampled_ms``)."""
     from transformers import DynamicCache
 
     from fastmtp_sglang.decode.slot_cache import ATTN_NAME, SlotCache, use_gqa_sdpa
@@ -151,7 +159,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     try:
         fwd = lean_forward_for(model, "auto" if lean and not stock else "off")
         return _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib,
-                        batch, DynamicCache() if stock else SlotCache(), fwd)
+                        batch, DynamicCache() if stock else SlotCache(), fwd, sampled)
     finally:
         if model.config._attn_implementation != prev_attn:
             model.set_attn_implementation(prev_attn)
@@ -163,7 +171,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
 
 
 def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_mib, batch,
-             cache, fwd=None) -> CostCurve:
+             cache, fwd=None, sampled=False) -> CostCurve:
     model, dev = target.model, next(target.model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = int(target.lm_head.weight.shape[0])
@@ -176,7 +184,7 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
                       past_key_values=cache, use_cache=True)
     hidden = out.last_hidden_state                                              # [B, context, H]
 
-    def verify(n: int):
+    def verify(n: int, sampled: bool = False):
         pos = torch.arange(context, context + n, device=dev)[None].expand(B, -1)
         mask = torch.ones(B, context + n, dtype=torch.long, device=dev)
         if fwd is not None:  # the engine's own forward (decode/lean_forward.py)
@@ -184,10 +192,18 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
         else:
             h = model.model(input_ids=ids[:, context:context + n], position_ids=pos, attention_mask=mask,
                             past_key_values=cache, use_cache=True).last_hidden_state
-        target.lm_head(h).float().argmax(-1)
+        logits = target.lm_head(h).float()
+        if sampled:  # as ReferenceEngine samples a K=0 cycle's token (Batch.sample)
+            sample_rows(logits[:, -1], t1_params, gens)
+        else:
+            logits.argmax(-1)
         cache.crop(-n)
 
+    t1_params = [SamplingParams(temperature=1.0)] * B
+    gens = [torch.Generator(device=dev).manual_seed(i) for i in range(B)]
     calls: dict[str, Any] = {f"verify{n}": (lambda n=n: verify(n)) for n in ns}
+    if sampled and 1 in ns:
+        calls["plain_sampled"] = lambda: verify(1, sampled=True)
     if head is not None:
         # as the engine does (ReferenceEngine._head)
         run_head = (LeanHead(head).run if fwd is not None
@@ -200,12 +216,21 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
         tok = ids[:, context:context + 1]
         step_pos = torch.full((B, 1), context, device=dev)
 
-        def draft_step():
+        tidx = torch.zeros(B, dtype=torch.long, device=dev)
+        ones, no_k = torch.ones(B, device=dev), torch.full((B,), -1, device=dev)
+
+        def draft_step(sampled: bool = False):
             g = run_head(g0[:, None], tok, step_pos, dcache)[:, 0]
-            if draft_vocab is None:
-                head.project(g).float().argmax(-1)
+            if draft_vocab is None:  # (as Batch.draft_pick / Batch.pick)
+                logits = head.project(g).float()
+                if sampled:
+                    probs = logits_to_probs(logits, ones, ones, no_k)
+                    [sample(probs[i:i + 1], gen) for i, gen in enumerate(gens)]
+                else:
+                    logits.argmax(-1)
+            elif sampled:
+                sample_draft(draft_vocab, g, tidx, None, ones, ones, no_k, gens)
             else:
-                tidx = torch.zeros(B, dtype=torch.long, device=dev)
                 draft_vocab.greedy(g, tidx, None)
 
         def extend(n: int):
@@ -213,6 +238,8 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
             run_head(hidden[:, -n:], ids[:, context:context + n], pos, dcache)
 
         calls["draft_step"] = draft_step
+        if sampled:
+            calls["draft_step_sampled"] = lambda: draft_step(sampled=True)
         calls.update({f"extend{n}": (lambda n=n: extend(n)) for n in ns})
     times = interleaved_ms(calls, repeats, warmup)
     med = {n: statistics.median(v) for n, v in times.items()}
@@ -223,12 +250,13 @@ def _measure(target, head, draft_vocab, ns, context, repeats, warmup, bandwidth_
                       bandwidth_gbs=bw / 1e9, target_weight_mb=tbytes / 1e6,
                       verify_ms={n: med[f"verify{n}"] for n in ns}, verify_floor_ms=tbytes / bw * 1e3,
                       spread=spread, batch=B, packed_linear=is_packed(model),
-                      lean_forward=fwd is not None)
+                      lean_forward=fwd is not None, plain_sampled_ms=med.get("plain_sampled"))
     if head is not None:
         rows = (draft_vocab.table_weight[0].numel() * draft_vocab.table_weight.element_size()
                 if draft_vocab is not None else target.lm_head.weight.numel() * target.lm_head.weight.element_size())
         hbytes = weight_bytes(head, exclude=target.model) + rows
         curve.draft_step_ms = med["draft_step"]
+        curve.draft_step_sampled_ms = med.get("draft_step_sampled")
         curve.draft_floor_ms = hbytes / bw * 1e3
         curve.extend_ms = {n: med[f"extend{n}"] for n in ns}
     return curve
@@ -244,9 +272,17 @@ def markdown(curve: CostCurve) -> str:
         what = "plain step (1 token)" if n == 1 else f"verify {n} tokens"
         lines.append(f"| {what} | {ms:.2f} | {ms / c.plain_ms:.2f} | {c.verify_floor_ms:.2f} | "
                      f"{ms / c.verify_floor_ms:.1f} |")
+        if n == 1 and c.plain_sampled_ms is not None:
+            ms = c.plain_sampled_ms
+            lines.append(f"| plain step, sampled (T=1) | {ms:.2f} | {ms / c.plain_ms:.2f} | "
+                         f"{c.verify_floor_ms:.2f} | {ms / c.verify_floor_ms:.1f} |")
     if c.draft_step_ms is not None:
         lines.append(f"| draft step | {c.draft_step_ms:.2f} | {c.draft_step_ms / c.plain_ms:.2f} | "
                      f"{c.draft_floor_ms:.2f} | {c.draft_step_ms / c.draft_floor_ms:.1f} |")
+        if c.draft_step_sampled_ms is not None:
+            ms = c.draft_step_sampled_ms
+            lines.append(f"| draft step, sampled (T=1) | {ms:.2f} | {ms / c.plain_ms:.2f} | "
+                         f"{c.draft_floor_ms:.2f} | {ms / c.draft_floor_ms:.1f} |")
         for n, ms in c.extend_ms.items():
             lines.append(f"| draft extend, {n} positions | {ms:.2f} | {ms / c.plain_ms:.2f} | | |")
     return "\n".join(lines) + "\n"

@@ -71,13 +71,30 @@ class DraftVocab:
                                     table_weight=self.table_weight)
         return top
 
-    def logits(self, hidden: torch.Tensor, idx: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-        """hidden [N, H] -> full-width logits [N, V], -inf outside each row's table."""
+    def compressed_logits(self, hidden: torch.Tensor, idx: torch.Tensor,
+                          extra: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, H] -> (logits [N, S] float32 over each row's slots, their full-vocabulary
+        ids [N, S] with ``-1`` at padded slots, whose logit is ``-inf``; so is a masked extra's).
+
+        What a sampled draft step needs: a softmax and a draw over the table's S slots, not over
+        the vocabulary (at batch 1 on CPU, the same one product with the table's rows as
+        :meth:`greedy`, without the kernel's log-probability)."""
+        if hidden.device.type == "cpu" and hidden.shape[0] == 1 and extra is None:
+            t = int(idx[0])
+            n = int(self.tables.lens[t])
+            w = self.table_weight[t, :n]
+            lg = prepared_linear(hidden.to(w.dtype), w, self._prepared, t).float()     # [1, n]
+            return lg, self.tables.tables[t, :n][None]
         _, _, lg = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
                                    self.tables.tables, self.tables.lens, idx, extra,
                                    return_logits=True, table_weight=self.table_weight)
-        return scatter_to_full(lg, slot_ids(self.tables.tables, self.tables.lens, idx, extra),
-                               self.vocab_size)
+        ids = slot_ids(self.tables.tables, self.tables.lens, idx, extra)
+        return lg.float().masked_fill(ids < 0, float("-inf")), ids
+
+    def logits(self, hidden: torch.Tensor, idx: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """hidden [N, H] -> full-width logits [N, V], -inf outside each row's table."""
+        lg, ids = self.compressed_logits(hidden, idx, extra)
+        return scatter_to_full(lg, ids, self.vocab_size)
 
 
 def auto_tables(tokenizer) -> list[str]:
