@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastmtp_sglang.core import cpu_amx, cpu_attention
-from fastmtp_sglang.core.packed_linear import pack_for_inference
+from fastmtp_sglang.cpu_kernels import amx, decode_attention
+from fastmtp_sglang.cpu_kernels.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.lean_forward import LeanForward, lean_forward_for, unsupported
 from fastmtp_sglang.decode.sampling import SamplingParams
@@ -79,8 +79,8 @@ def _lean(model):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypatch):
-    monkeypatch.setitem(cpu_amx._state, "lib", None)   # PyTorch's own kernels only
-    monkeypatch.setitem(cpu_attention._state, "lib", None)
+    monkeypatch.setitem(amx._state, "lib", None)   # PyTorch's own kernels only
+    monkeypatch.setitem(decode_attention._state, "lib", None)
     model = _model(kind, dtype)
     ids, mask, steps = _batches()
     keep = (0, 2, 3)
@@ -94,7 +94,7 @@ def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypa
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
-@pytest.mark.skipif(not cpu_amx.available(), reason=f"cpu kernels: {cpu_amx.unavailable_reason()}")
+@pytest.mark.skipif(not amx.available(), reason=f"cpu kernels: {amx.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
     model = _model(kind, torch.bfloat16)
@@ -110,21 +110,21 @@ def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
             assert top > 0.9
 
 
-@pytest.mark.skipif(not cpu_attention.available(), reason=f"cpu attention: {cpu_attention.unavailable_reason()}")
+@pytest.mark.skipif(not decode_attention.available(), reason=f"cpu attention: {decode_attention.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monkeypatch):
     """One-token steps through the one-pass attention kernel (prefill and multi-token verify
     steps keep PyTorch's): within bf16 rounding of transformers, the same argmax, and the
     kernel really ran."""
-    monkeypatch.setitem(cpu_amx._state, "lib", None)
+    monkeypatch.setitem(amx._state, "lib", None)
     calls = {"n": 0}
-    real = cpu_attention.decode_attention
+    real = decode_attention.decode_attention
 
     def counted(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(cpu_attention, "decode_attention", counted)
+    monkeypatch.setattr(decode_attention, "decode_attention", counted)
     model = _model(kind, torch.bfloat16)
     ids, mask, steps = _batches()
     with torch.inference_mode():

@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 
-from fastmtp_sglang.core import cpu_amx
-from fastmtp_sglang.core.packed_linear import pack_for_inference
+from fastmtp_sglang.cpu_kernels import amx
+from fastmtp_sglang.cpu_kernels.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.lean_head import LeanHead
 from test_engine import random_head, tiny_target
 
-needs_kernels = pytest.mark.skipif(not cpu_amx.available(),
-                                   reason=f"cpu kernels: {cpu_amx.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not amx.available(),
+                                   reason=f"cpu kernels: {amx.unavailable_reason()}")
 
 
 def _world(layout: str, dtype=torch.bfloat16):
@@ -88,7 +88,7 @@ def test_lean_head_steps_aside_where_it_does_not_apply():
     assert lean(xb, ids, pos, cache) is None               # autograd on: training calls the module
     with torch.inference_mode():
         assert lean(torch.randn(1, 1, 128).to(torch.bfloat16), ids, pos, cache) is None  # aux-width input
-        assert (lean(xb, ids, pos, cache) is not None) == cpu_amx.available()
+        assert (lean(xb, ids, pos, cache) is not None) == amx.available()
 
 
 def test_engine_output_unchanged_in_fp32():

@@ -1,4 +1,4 @@
-"""Linear layers on prepared oneDNN weights (core/packed_linear.py): the same numbers as
+"""Linear layers on prepared oneDNN weights (cpu_kernels/packed_linear.py): the same numbers as
 ``F.linear`` (bit-identical on CPUs with native bf16, where the engine uses them), autograd and
 non-bf16 calls untouched, a weight changed in place is repacked, and the engine's bf16 greedy
 output does not change when they are on."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.hardware import fast_bf16
-from fastmtp_sglang.core import packed_linear as pl
+from fastmtp_sglang.cpu_kernels import amx
+from fastmtp_sglang.cpu_kernels import packed_linear as pl
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
 from test_continuous import live_successor_world
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not pl.available(), reason=str(pl.unavailable_re
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    if fast_bf16() and not cpu_amx.available():  # oneDNN's prepared weights: not a bit moves
+    if fast_bf16() and not amx.available():  # oneDNN's prepared weights: not a bit moves
         assert torch.equal(a, b)
-    else:  # AMX tiles (core/cpu_amx.py) sum in another order; emulated bf16 may pick
+    else:  # AMX tiles (cpu_kernels/amx.py) sum in another order; emulated bf16 may pick
         # another kernel: the same product within bf16's rounding
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
@@ -167,7 +167,7 @@ def test_fused_projections_give_each_member_its_own_output():
                 ref.k_proj.weight.mul_(2)
             blk.q_proj(x)
             _same(blk.k_proj(x), ref.k_proj(x))   # a changed member remakes the fused weight
-            if cpu_amx.available():  # AMX tiles: fused equals separately packed, exactly
+            if amx.available():  # AMX tiles: fused equals separately packed, exactly
                 sep = copy.deepcopy(ref)
                 pl.pack_linears(sep)
                 for rows in (1, 5, 64):

@@ -2,6 +2,14 @@
 
 Each command lives in its own module, which exposes ``register(subparsers)``; the parser it adds
 sets ``func`` to a callable taking the parsed namespace and returning an exit code.
+
+Owns: one module per command (``convert``, ``export``, ``init_head``, ``inspect_draft``,
+``serve``, ``bench``, ``bench_concurrency``, ``demo``, ``synth_prompts``, ``distill``,
+``features``, ``train``, ``curve``, ``build_vocab``; ``--steps`` and the ``--auto-*`` flags are
+parsed once, in decode/auto_setup.py), and two ``python -m`` entry points (``prompt_files``,
+``vllm_proxy``).
+
+May import: anything of this package below it (docs/design.md section 10.1).
 """
 
 from __future__ import annotations

@@ -149,18 +149,24 @@ class DraftDir:
         return self.config.get("fastmtp", {})
 
 
+def read_json_file(path: Path, missing: str) -> Any:
+    """The JSON value in ``path``. DraftFormatError: ``missing`` when it is not a file, or one
+    naming the path when it is not valid (UTF-8) JSON."""
+    if not path.is_file():
+        raise DraftFormatError(missing)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DraftFormatError(f"{path} is not valid JSON: {exc}") from None
+
+
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise DraftFormatError(f"{path} is not a directory; a draft directory holds config.json "
                                "and model.safetensors")
     cfg_path = path / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise DraftFormatError(f"{path} has no {CONFIG_NAME}: is it a draft directory?")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DraftFormatError(f"{cfg_path} is not valid JSON: {exc}") from None
+    cfg = read_json_file(cfg_path, f"{path} has no {CONFIG_NAME}: is it a draft directory?")
     if not isinstance(cfg, dict):
         raise DraftFormatError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not an object: "
                                "is it a draft directory?")

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 
 from fastmtp_sglang.core.checkpoint import INDEX_NAME
 from fastmtp_sglang.core.layouts import SHARED_NAMES, change_layout, source_name_map, source_prefix
-from fastmtp_sglang.core.draft_dir import CONFIG_NAME, DraftDir, atomic_dir, load_draft_dir
+from fastmtp_sglang.core.draft_dir import CONFIG_NAME, DraftDir, atomic_dir, load_draft_dir, read_json_file
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError, MismatchError
 from fastmtp_sglang.core.head import HeadConfig
 
@@ -193,13 +193,7 @@ class SourceCheckpoint:
         if not src.is_dir():
             raise FastMTPError(f"{src} is not a directory: pass the target's checkpoint directory "
                                "(config.json and its safetensors files)")
-        cfg_path = src / CONFIG_NAME
-        if not cfg_path.is_file():
-            raise DraftFormatError(f"{src} has no {CONFIG_NAME}")
-        try:
-            config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DraftFormatError(f"{cfg_path} is not valid JSON: {exc}") from None
+        config = read_json_file(src / CONFIG_NAME, f"{src} has no {CONFIG_NAME}")
         index = None
         if (src / INDEX_NAME).is_file():
             try:

@@ -146,14 +146,19 @@ def load_prompt_ids(tokenizer, paths, limit, categories, chat: bool):
     return out
 
 
-def _read_file(path: Path) -> list[Prompt]:
+def read_lines(path: Path, what: str = "prompt file") -> list[str]:
+    """The lines of a UTF-8 text file; a FastMTPError naming ``what`` and the path when it is
+    missing or unreadable."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise FastMTPError(f"prompt file not found: {path}") from None
+        raise FastMTPError(f"{what} not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise FastMTPError(f"cannot read prompt file {path}: {exc}") from None
+        raise FastMTPError(f"cannot read {what} {path}: {exc}") from None
 
+
+def _read_file(path: Path) -> list[Prompt]:
+    lines = read_lines(path)
     prompts: list[Prompt] = []
     first_line: dict[str, int] = {}
     for lineno, line in enumerate(lines, start=1):

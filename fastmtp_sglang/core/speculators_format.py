@@ -33,6 +33,7 @@ has, so importing one is refused.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,32 @@ _BLOCK_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 def _verifier(head_cfg: dict[str, Any], verifier: str | None
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(speculators' VerifierConfig fields, the target's config when it is a local directory).
-    A local target must fit the head: speculators checks the hidden size only at load."""
-    base = head_cfg.get("fastmtp", {}).get("base_model") or {}
-    name = verifier or base.get("name")
+    A local target must fit the head: speculators checks the hidden size only at load.
+
+    ``name_or_path`` is what vLLM loads the verifier from, so it must resolve: a local model
+    directory (written as an absolute path) or a hub id (``org/name``). Without ``verifier`` it
+    comes from the head's record (its base model's name, or the verifier of the speculators
+    directory it was converted from); a bare name that is neither is refused."""
+    meta = head_cfg.get("fastmtp", {})
+    base = meta.get("base_model") or {}
+    if verifier is not None:
+        name = _resolvable(verifier)
+        if name is None:
+            raise FastMTPError(f"--verifier {verifier}: no model directory (with {CONFIG_NAME}) "
+                               "there, and not a hub id (org/name): give the target's checkpoint "
+                               "directory or its hub id")
+    else:
+        recorded = [base.get("name"), ((meta.get("converted_from") or {}).get("verifier")
+                                       or {}).get("name_or_path")]
+        name = next((r for r in map(_resolvable, filter(None, recorded)) if r), None)
+        if name is None:
+            raise FastMTPError(
+                f"the head records its base model only as {base.get('name')!r}, which is neither "
+                "a model directory here nor a hub id (org/name), so vLLM could not load the "
+                "verifier from it: pass --verifier with the target's checkpoint directory or "
+                "hub id")
     target = None
-    if name and (Path(name) / CONFIG_NAME).is_file():
+    if (Path(name) / CONFIG_NAME).is_file():
         target = json.loads((Path(name) / CONFIG_NAME).read_text())
         text = target.get("text_config") or target
         for key in ("hidden_size", "vocab_size"):
@@ -82,6 +104,17 @@ def _verifier(head_cfg: dict[str, Any], verifier: str | None
     if not archs:  # the family's causal LM, as transformers names it
         archs = ["Qwen2ForCausalLM" if head_cfg.get("model_type") == "qwen2" else "LlamaForCausalLM"]
     return {"name_or_path": name, "architectures": archs}, target
+
+
+def _resolvable(name: str) -> str | None:
+    """``name`` as vLLM can load it: a local model directory's absolute path, or a hub id
+    (``org/name``, when no such path exists here); None for anything else (a bare name)."""
+    path = Path(name).expanduser()
+    if (path / CONFIG_NAME).is_file():
+        return str(path.absolute())
+    if not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name)):
+        return str(name)
+    return None
 
 
 def speculators_config(head_cfg: dict[str, Any], steps: int, verifier: dict[str, Any],

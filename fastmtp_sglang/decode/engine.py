@@ -19,12 +19,14 @@ It runs the draft exactly as SGLang's EAGLE worker does with ``--speculative-eag
 
 Rows of a batch advance by different amounts, so the target's cache is slot-based: every row
 appends K + 1 slots per cycle, an attention mask hides rejected slots, and positions are per row.
+
+What ``auto``, ``hybrid`` and a model-free drafter add to the cycle (each cycle's K and each
+row's source, prompt lookup's proposals, the head's deferred work) is in decode/engine_auto.py.
 """
 
 from __future__ import annotations
 
 import resource
-import statistics
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -33,13 +35,13 @@ from typing import Any, Callable
 import torch
 
 from fastmtp_sglang.core.head import FastMTPHead, head_input
-from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference
+from fastmtp_sglang.cpu_kernels.packed_linear import is_packed, pack_for_inference
 from fastmtp_sglang.decode.batch import PREFILL_CALL_TOKENS, Batch, Row, prefill_groups
+from fastmtp_sglang.decode.engine_auto import AutoDrafting, sync
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
 from fastmtp_sglang.decode.capture import capture_prompts, capture_verified
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
-from fastmtp_sglang.decode.ngram import NgramIndex
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.stops import emit
 from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
@@ -71,16 +73,13 @@ class Result:
     features: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # positions of head extends auto defers at most (cycles without the head; the oldest are
 # forgotten): a batch that stays at K=0 (under load, where catching up costs more than probing
 # may) would otherwise keep every cycle's hidden states
 DEFER_MAX = 128
-class ReferenceEngine:
+
+
+class ReferenceEngine(AutoDrafting):
     """Speculative decoding with a transformers target and a FastMTPHead draft.
 
     Parameters
@@ -121,7 +120,7 @@ class ReferenceEngine:
         self.model = target.model
         # grouped key/value heads read in place under a mask (same numbers; decode/slot_cache.py)
         use_gqa_sdpa(self.model)
-        # bf16 projections on weights oneDNN laid out once (same numbers; core/packed_linear.py)
+        # bf16 projections on weights oneDNN laid out once (same numbers; cpu_kernels/packed_linear.py)
         # (the target is shared: an engine made earlier on it may have packed it already)
         self.packed = pack_for_inference(self.model, head, packed) or is_packed(self.model)
         # the target's forward in fewer calls, same numbers (decode/lean_forward.py), or None
@@ -236,7 +235,7 @@ class ReferenceEngine:
         room = (self.max_context - 2 - b.pos).clamp(min=0)                           # [n]
         deferred = b.deferred_positions()  # what the head catches up on if this cycle drafts
         drafts, qs, Kc = self._draft(b, min(self._choose(b), int(room.max())))
-        _sync(self.device)
+        sync(self.device)
         t_draft = self.clock() - t
         t = self.clock()
         room = room.clamp(max=Kc)                          # drafts each row may accept
@@ -245,11 +244,11 @@ class ReferenceEngine:
             if none:
                 room[none] = 0
         vh, vpos, acc, emitted = self._verify(b, drafts, qs, Kc, room)
-        _sync(self.device)
+        sync(self.device)
         t_verify = self.clock() - t
         t = self.clock()
         bonus = self._draft_extend(b, drafts, vh, vpos, acc, emitted)
-        _sync(self.device)
+        sync(self.device)
         t_draft += self.clock() - t
         if self.auto is not None:  # what this cycle really cost, against the curve
             head_steps = not self._head_idle(b, Kc)  # (at K=0 the curve has no head share)
@@ -307,8 +306,8 @@ class ReferenceEngine:
                 b.g = g[torch.arange(B, device=dev), lens - 1]                        # [B, H]
             else:
                 # auto: the head runs over the prompt when the row first drafts (_head_prompts);
-                # under load auto decodes at K=0 and the head's prefill was its one extra cost
-                # (+0.49 s over 5.5 s of prefill at 16 clients, design 6.8)
+                # under load auto decodes at K=0, where the head's prefill was its one extra
+                # cost (docs/design.md section 6.8)
                 b.g = hidden.new_zeros(B, hidden.shape[-1])                           # [B, H]
                 for i, r in enumerate(b.rows):
                     r.head_prompt = (feats[i, : len(r.req.input_ids)], nxt[i, : len(r.req.input_ids)])
@@ -317,7 +316,7 @@ class ReferenceEngine:
                 b.tail = (feats[last][:, None], b.pending[:, None], (lens - 1)[:, None])
             if self.draft_vocab is not None:  # each request's table, from its prompt's tokens
                 b.tidx, b.extra = self.draft_vocab.choose(ids, b.valid)
-        _sync(dev)
+        sync(dev)
         prefill = time.perf_counter() - t0
         for r in b.rows:
             r.metrics.prefill_s = prefill
@@ -326,57 +325,6 @@ class ReferenceEngine:
                 r.finish = {"type": "length", "length": len(r.out)}  # the context is full
         b.start_decode()
         return b
-
-    def _choose(self, b: Batch) -> int:
-        """This cycle's K: ``steps``, or what the auto controller picks for the live rows (and,
-        hybrid, which rows take prompt lookup's proposal: ``b.plan``)."""
-        if self.auto is None:
-            return self.steps
-        rows = b.rows
-        once, left = self._prompts_once(rows), self._cycles_left(rows)
-        if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once, left)
-        if not self.auto.room(len(rows)):
-            # no source could pay at this batch size, not even for rows as good as its best
-            # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
-            # proposals (~0.8 ms of a ~50 ms cycle at 16 clients, profiled)
-            b.plan = [(False, 0, [])] * len(rows)
-            return 0
-        props = [self._lookup(r, self.steps) for r in rows]
-        looks = []
-        for r, (toks, m) in zip(rows, props):
-            if m and m not in r.est_lookup:
-                r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
-            looks.append((r.est_lookup[m], len(toks)) if m else None)
-        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run,
-                                         b.deferred_positions(), once, left)
-        b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
-        return K
-
-    @staticmethod
-    def _cycles_left(rows: list[Row]) -> float:
-        """auto: the median of the live rows' remaining token budgets (the most cycles they have
-        left), over which a head cycle's catch-up is spread (AutoK._head_share); 1 when none has
-        a budget left."""
-        left = [n for n in map(ReferenceEngine._budget_left, rows) if n > 0]
-        return float(statistics.median(left)) if left else 1.0
-
-    @staticmethod
-    def _budget_left(r: Row) -> int:
-        """Tokens the row may still emit (0 once finishing or aborted: the server sets its budget to 0)."""
-        return r.req.params.max_new_tokens - len(r.out)
-
-    def _prompts_once(self, rows: list[Row]) -> float:
-        """auto: a head cycle's share of reading the prompts the head has not read yet (their
-        positions, spread over the median of those rows' remaining token budgets: at one token
-        a cycle, the most cycles they have left; AutoK.once_ms). 0 when every prompt has been
-        read. Rows with no budget left (finishing, or aborted: the server sets their budget
-        to 0) are not counted: they will not draft."""
-        unread = [(len(r.head_prompt[1]), self._budget_left(r)) for r in rows if r.head_prompt is not None]
-        unread = [(n, left) for n, left in unread if left > 0]
-        if not unread:
-            return 0.0
-        return self.auto.once_ms(sum(n for n, _ in unread), statistics.median(left for _, left in unread))
 
     def _draft(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
         """1. draft: (drafts [n, Kc], per-step draft probabilities q (sampling only), Kc).
@@ -412,32 +360,6 @@ class ReferenceEngine:
             drafts[:, k - 1] = d
             qs.append(q)
         return drafts, qs
-
-    def _draft_hybrid(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
-        """Head drafts for the rows that want them (the chain runs for the batch when any row
-        does), prompt lookup's proposal (padded to K) for the others, per ``b.plan``."""
-        n = len(b)
-        if K == 0:
-            return torch.empty(n, 0, dtype=torch.long, device=self.device), [], 0
-        lookup = [take for take, _, _ in b.plan]
-        if all(lookup):
-            drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
-            qs: list = [None] * K
-        else:
-            drafts, qs = self._draft_head(b, K)
-        for j, (take, _, toks) in enumerate(b.plan):
-            if take:  # (no proposal: this row verifies nothing, see step; any token will do)
-                pad = toks or [int(b.pending[j])]
-                drafts[j] = torch.tensor((pad + [pad[-1]] * K)[:K], device=self.device)
-        if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
-            V = self.target.lm_head.weight.shape[0]
-            if all(lookup):
-                qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
-            else:
-                rows = torch.tensor([j for j, t in enumerate(lookup) if t], device=self.device)
-                one = torch.nn.functional.one_hot(drafts[rows], V).float()      # [r, K, V]
-                qs = [q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
-        return drafts, qs, K
 
     def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
         """2. verify, 3. accept, 4. roll back: one target forward over [pending, drafts];
@@ -496,8 +418,8 @@ class ReferenceEngine:
             ext_ids.scatter_(1, acc[:, None], bonus[:, None])
             Kc = drafts.shape[1]
             # (past DEFER_MAX positions the oldest are forgotten, lookup cycles' too: catching up
-            # there instead cost a head forward over 16 rows x 128 positions whenever a batch
-            # kept at K=0 under load took one lookup cycle, -10% at 16 clients)
+            # there instead cost a head forward over every deferred position whenever a batch
+            # kept at K=0 under load took one lookup cycle; docs/design.md section 6.8)
             if self._head_idle(b, Kc):
                 # no head drafts this cycle (K=0, or every row took prompt lookup): extend later,
                 # when the head next drafts (_catch_up), in one forward with the other such cycles.
@@ -515,67 +437,6 @@ class ReferenceEngine:
                 ge = self._head(vh, ext_ids, vpos, b.dcache)
                 b.g = ge[torch.arange(n, device=self.device), acc]
         return bonus
-
-    def _head_idle(self, b: Batch, drafted: int) -> bool:
-        """auto: did this cycle run without the head (K=0, or hybrid with every row on prompt
-        lookup)? Its draft extend then waits for the head's next drafting cycle."""
-        if self.auto is None:
-            return False
-        return drafted == 0 or (self.hybrid and all(take for take, _, _ in b.plan))
-
-    def _head_prompts(self, b: Batch) -> None:
-        """auto: the head's draft extend over the prompts of rows that have not needed the head
-        yet (``Row.head_prompt``), before anything else the head runs for them: one forward per
-        group of similar lengths (``prefill_groups``), each into a cache of its own rows that
-        is then copied into the batch's (nothing was written there for these rows). A group's
-        shorter prompts repeat their last position up to the longest: the head writes the same
-        key there again and gives the same output."""
-        if self.auto is None:  # (only auto defers prompts: nothing to scan in the cycle's hot path)
-            return
-        rows = [r for r in b.rows if r.head_prompt is not None]
-        if not rows:
-            return
-        t0 = self.clock()
-        dev = self.device
-        for group in prefill_groups([len(r.head_prompt[1]) for r in rows], self.prefill_call_tokens):
-            part = [rows[i] for i in group]
-            L = max(len(r.head_prompt[1]) for r in part)
-            pad = lambda x, n: torch.cat([x, x[-1:].expand(n, *x.shape[1:])]) if n else x  # noqa: E731
-            feats = torch.stack([pad(r.head_prompt[0], L - len(r.head_prompt[1])) for r in part])
-            ids = torch.stack([pad(r.head_prompt[1], L - len(r.head_prompt[1])) for r in part])
-            pos = torch.stack([pad(torch.arange(len(r.head_prompt[1]), device=dev),
-                                   L - len(r.head_prompt[1])) for r in part])       # [m, L]
-            sub = self.head.new_cache(len(part), b.dcache.max_len, dtype=b.dcache.k.dtype, device=dev)
-            g = self._head(feats, ids, pos, sub)                                      # [m, L, H]
-            idx = torch.tensor([r.index for r in part], device=dev)
-            b.dcache.reserve(sub.capacity)
-            b.dcache.k[idx, :, : sub.capacity] = sub.k
-            b.dcache.v[idx, :, : sub.capacity] = sub.v
-            b.g[idx] = g[torch.arange(len(part), device=dev),
-                         torch.tensor([len(r.head_prompt[1]) - 1 for r in part], device=dev)]
-            for r in part:
-                r.head_prompt = None
-        _sync(dev)
-        spent = self.clock() - t0
-        self._prompts_s += spent  # (step keeps it out of the cycle's calibration)
-        self.auto.observe_prompts(sum(len(r.req.input_ids) for r in rows), 1e3 * spent)
-
-    def _catch_up(self, b: Batch) -> None:
-        """Before the head drafts: its extend over the prompts it has not read (_head_prompts),
-        then the draft extend of the cycles that ran without it (auto: K=0, or prompt lookup for
-        every row), in one head forward; each part ends at each row's last accepted position
-        (see _draft_extend), so the last column is every row's end."""
-        self._head_prompts(b)
-        if not b.deferred:
-            return
-        t, z = self.clock(), b.deferred_positions()
-        vh, ids, pos = (torch.cat(parts, dim=1) for parts in zip(*b.deferred))
-        ge = self._head(vh, ids, pos, b.dcache)
-        b.g = ge[:, -1]
-        b.deferred = []
-        if self.auto is not None:  # what a catch-up over z positions costs here, for its price
-            _sync(self.device)
-            self.auto.observe_catch_up(len(b), z, 1e3 * (self.clock() - t))
 
     def _advance(self, b: Batch, acc: torch.Tensor, emitted: torch.Tensor, bonus: torch.Tensor,
                  drafted: list[int], t_draft: float, t_verify: float, on_tokens) -> None:
@@ -634,29 +495,6 @@ class ReferenceEngine:
             text = text[: text.find(r.finish["matched_str"])]
         feats = None if r.capture is None else r.capture.finish(len(r.req.input_ids) + len(r.out) - 1)
         return Result(r.out, text, r.finish, r.metrics, r.req.rid, feats)
-
-    def _propose(self, rows: list[Row], K: int, pending: torch.Tensor
-                 ) -> tuple[torch.Tensor, int]:
-        """The drafter's proposals for the live rows: (drafts [n, K] or [n, 0], K verified).
-
-        A row without a full proposal is padded with its last proposed (or pending) token: a
-        guess that costs one verified slot and changes nothing else."""
-        props = [self._lookup(r, K)[0] for r in rows]
-        n = len(props)
-        if not any(props):
-            return torch.empty(n, 0, dtype=torch.long, device=self.device), 0
-        pend = pending.tolist()
-        out = [(p + [p[-1] if p else pend[j]] * K)[:K] for j, p in enumerate(props)]
-        return torch.tensor(out, dtype=torch.long, device=self.device), K
-
-    def _lookup(self, r: Row, k: int) -> tuple[list[int], int]:
-        """The drafter's proposal for row ``r`` and the length of the suffix it matched, from
-        the row's own index of its sequence (decode/ngram.py: NgramIndex; same result as
-        ``drafter.propose_match(prompt + out, k)``)."""
-        if r.ngram is None:
-            r.ngram = NgramIndex(self.drafter)
-        r.ngram.sync(r.req.input_ids, r.out)
-        return r.ngram.propose_match(k)
 
     def _decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)

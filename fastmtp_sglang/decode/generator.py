@@ -188,9 +188,7 @@ class GenWorker:
     from another one (or submits everything first, then ``close(wait=False)`` and ``run()``).
     Why it matters on CPU: with PyTorch's OpenMP backend (libgomp), once the main thread has run
     a parallel region (loading a model does), the same ops issued from another thread run
-    ~1.5-1.8x slower on a 2-core machine (measured: a bf16 [64, 576] x [576, 1536] linear
-    157 us on the main thread vs 266-295 us on a second one). Heavy loops belong on the thread
-    that loaded the model.
+    slower (docs/design.md section 6.6). Heavy loops belong on the thread that loaded the model.
     """
 
     def __init__(self, gen: QueueGenerator, thread: bool = True):

@@ -13,15 +13,16 @@ bench/results/speculation_pays/costs/, design section 6.9).
 - the attention mask built once per forward from the engine's 2-D slot mask (transformers'
   causal + padding rule, a bool mask; None for one new token and no holes);
 - rotary embedding applied to q and k as one tensor (their columns are adjacent in q/k/v);
-- q/k/v and gate/up as one product each where the engine packed the model (core/packed_linear.py,
-  bit-identical to the separate products up to ``FUSED_MAX_ROWS`` rows); separate ``F.linear``
+- q/k/v and gate/up as one product each where the engine packed the model
+  (cpu_kernels/packed_linear.py, bit-identical to the separate products up to
+  ``FUSED_MAX_ROWS`` rows); separate ``F.linear``
   calls otherwise (fp32: MKL may pick another kernel for a wider matrix).
 
 On PyTorch's kernels this is **bit-identical** to transformers (tests/test_lean_forward.py:
 hidden states, kept layers and caches, fp32 and bf16, Llama and Qwen2, padding holes). On bf16
-CPUs with AMX (core/cpu_amx.py) each elementwise step is one C call with transformers'
+CPUs with AMX (cpu_kernels/amx.py) each elementwise step is one C call with transformers'
 roundings and each product one call on AMX tiles; on bf16 CPUs with AVX-512 a one-token step's
-attention is one pass over the cache (core/cpu_attention.py): the same maths within bf16
+attention is one pass over the cache (cpu_kernels/decode_attention.py): the same maths within bf16
 rounding (``FASTMTP_CPU_KERNELS=off`` keeps PyTorch's kernels, bit-identical).
 
 It covers Llama-style dense decoders (``llama``, ``qwen2``, ``mistral`` without a sliding
@@ -35,9 +36,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_amx, cpu_attention
 from fastmtp_sglang.core.attention import grouped_attention
-from fastmtp_sglang.core.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
+from fastmtp_sglang.cpu_kernels import amx, decode_attention
+from fastmtp_sglang.cpu_kernels.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 ENV = "FASTMTP_LEAN_FORWARD"  # "auto" (default) or "off"
@@ -87,11 +88,11 @@ def unsupported(model) -> str | None:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, amask: torch.Tensor | None,
             scale: float, S: int) -> torch.Tensor:
     """Attention of a layer: a bf16 decode step (one new token per row) through the one-pass
-    kernel where the CPU has AVX-512 (core/cpu_attention.py: PyTorch's kernel took ~4x the time
-    to read the cache at one query per row), anything else through grouped_attention."""
-    if S == 1 and cpu_attention.fits(q, k) and cpu_attention.available():
+    kernel where the CPU has AVX-512 (cpu_kernels/decode_attention.py: PyTorch's kernel took ~4x
+    the time to read the cache at one query per row), anything else through grouped_attention."""
+    if S == 1 and decode_attention.fits(q, k) and decode_attention.available():
         B, T = k.shape[0], k.shape[2]
-        return cpu_attention.decode_attention(q, k, v, None if amask is None else amask.view(B, T), scale)
+        return decode_attention.decode_attention(q, k, v, None if amask is None else amask.view(B, T), scale)
     return grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
 
 
@@ -110,7 +111,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Proj:
     """Products of one input with one or more ``nn.Linear`` members, concatenated. Where the
-    engine packed the layers (core/packed_linear.py): one call on the fused group's prepared
+    engine packed the layers (cpu_kernels/packed_linear.py): one call on the fused group's prepared
     weight (the copy the layers' own forwards use), or one per member on theirs; one
     ``F.linear`` per member otherwise."""
 
@@ -128,7 +129,7 @@ class _Proj:
             w, b = group.weight()
         else:
             w, b = packed_weight(ms[0]), ms[0].bias
-        if not isinstance(w, cpu_amx.Packed) or w.k % cpu_amx.TILE_K:
+        if not isinstance(w, amx.Packed) or w.k % amx.TILE_K:
             return None
         return w, (None if b is None else b.detach().float().contiguous())
 
@@ -219,7 +220,7 @@ class LeanForward:
             qi = torch.arange(T - S, T, device=ids.device)
             amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
         L = len(self.layers)
-        if x.dtype == torch.bfloat16 and cpu_amx.available() and runs_packed(self.layers[0][2].members[0], x):
+        if x.dtype == torch.bfloat16 and amx.available() and runs_packed(self.layers[0][2].members[0], x):
             tiles = self._tiles()
             if tiles is not None:
                 return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
@@ -252,7 +253,7 @@ class LeanForward:
         return None if flat is None else [flat[i:i + 4] for i in range(0, len(flat), 4)]
 
     def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep, tiles):
-        """The same layers with each elementwise step one call of core/cpu_amx.py (bf16,
+        """The same layers with each elementwise step one call of cpu_kernels/amx.py (bf16,
         AMX CPUs): the residual add fused into the next RMSNorm, rotary embedding in place on
         the q/k/v product, silu(gate) * up in one pass."""
         N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
@@ -260,22 +261,22 @@ class LeanForward:
         hs = ({0: x.view(B, S, -1).clone()} if 0 in keep else {}) if keep else None
         h = torch.empty_like(x)
         ln1 = self.layers[0][0]
-        cpu_amx.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
-        lin = cpu_amx.linear_rows
+        amx.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
+        lin = amx.linear_rows
         for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
             (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
             p = lin(h, wqkv, bqkv)
-            cpu_amx.rope_(p, cos, sin, nh + nkv, D)
+            amx.rope_(p, cos, sin, nh + nkv, D)
             q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
             a = _attend(q, k, v, amask, scale, S)
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
-            cpu_amx.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
-            d = lin(cpu_amx.silu_mul(lin(h, wgu, bgu)), wd, bd)
+            amx.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
+            d = lin(amx.silu_mul(lin(h, wgu, bgu)), wd, bd)
             nxt = self.layers[i + 1][0] if i + 1 < L else self.inner.norm
-            cpu_amx.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
+            amx.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
             if hs is not None and i + 1 in keep and i + 1 < L:
                 hs[i + 1] = x.view(B, S, -1).clone()
         out = h.view(B, S, -1)

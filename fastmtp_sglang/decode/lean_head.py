@@ -4,8 +4,8 @@ A draft step of the shipped head is one decoder layer, its input fusion and norm
 calls around 5 products, 3.1-3.3 ms in a cycle where reading its weights and its vocabulary
 table takes ~1.1 ms (bench/results/speculation_pays/costs/). :class:`LeanHead` runs the same
 maths the way decode/lean_forward.py runs the target's layers on AMX machines: each product on
-the AMX-tiled weights the head's packed layers already keep (core/packed_linear.py), each
-elementwise step one call of core/cpu_amx.py with the module's roundings.
+the AMX-tiled weights the head's packed layers already keep (cpu_kernels/packed_linear.py), each
+elementwise step one call of cpu_kernels/amx.py with the module's roundings.
 
 It covers heads without aux layers whose products all run on tiles (bf16, packed, widths a
 multiple of 32); :meth:`LeanHead.__call__` returns None otherwise, and the engine calls the
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.attention import grouped_attention
-from fastmtp_sglang.core.packed_linear import runs_packed
+from fastmtp_sglang.cpu_kernels import amx
+from fastmtp_sglang.cpu_kernels.packed_linear import runs_packed
 from fastmtp_sglang.decode.lean_forward import TileSet, _Proj
 
 
@@ -34,7 +34,7 @@ class LeanHead:
         self.head = head
         cfg = head.cfg
         self.ok = (not cfg.aux_hidden_states and cfg.hidden_act == "silu"
-                   and cfg.head_dim <= 512 and cpu_amx.available())
+                   and cfg.head_dim <= 512 and amx.available())
         a, m = head.layer.self_attn, head.layer.mlp
         if cfg.layout == "mimo":
             fuse = [_Proj([head.input_proj])]
@@ -63,7 +63,7 @@ class LeanHead:
         tiles = self._tileset.get()
         if tiles is None:
             return None
-        lin, ck = cpu_amx.linear_rows, cpu_amx
+        lin, ck = amx.linear_rows, amx
         B, S = ids.shape
         N = B * S
         nh, nkv, D = hd.cfg.num_attention_heads, hd.cfg.num_key_value_heads, hd.cfg.head_dim

@@ -52,9 +52,9 @@ class NgramIndex:
     """:meth:`NgramDrafter.propose_match` over one growing sequence (a request's prompt and its
     output so far) in O(max_ngram) dictionary lookups per call: the earliest start of every
     n-gram that has a token after it is kept, and :meth:`sync` adds only the new tokens' n-grams.
-    The scan is a Python loop over the whole sequence per call (0.06 ms a row at 800 random
-    tokens, ~1 ms a cycle at 16 rows, paid before the hybrid drafter could choose K=0); a
-    lookup here takes ~0.001 ms."""
+    Why: the scan is a Python loop over the whole sequence per call, paid for every row every
+    cycle before the hybrid drafter could choose K=0 (its cost against this index:
+    docs/design.md section 6.7, "Prompt lookup's index")."""
 
     def __init__(self, drafter: NgramDrafter):
         self.drafter = drafter

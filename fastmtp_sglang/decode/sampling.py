@@ -294,8 +294,8 @@ def sample_rows(
 
     Greedy rows take the argmax. Rows with ``0 < top_k <= TOPK_FAST`` (distillation's default is
     20) draw from their top-k logits only: one batched ``topk`` instead of a sort of the
-    vocabulary, and a draw over k entries instead of V (at 64 rows x 49K entries the sort and
-    the full-width draw took 260 ms of a 400 ms decode step, AMD EPYC, 2 threads). Their
+    vocabulary, and a draw over k entries instead of V (the sort and the full-width draw had
+    taken most of a 64-row decode step: docs/design.md section 3.8). Their
     distribution is exactly ``logits_to_probs``'s: softmax at the temperature over the top k,
     then top-p over what top-k kept, renormalised. Other rows go through ``logits_to_probs``
     and ``sample``.

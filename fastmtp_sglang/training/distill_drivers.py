@@ -166,7 +166,7 @@ class LocalBackend(Backend):
         self.on_main_thread = True
 
     def prepare(self, jobs: list[Job]) -> None:
-        from fastmtp_sglang.core import cpu_attention
+        from fastmtp_sglang.cpu_kernels import decode_attention
         from fastmtp_sglang.decode.batch import REPACK_SLACK
         from fastmtp_sglang.decode.engine import ReferenceEngine
         from fastmtp_sglang.decode.generator import QueueGenerator, kv_cache_bytes
@@ -191,7 +191,7 @@ class LocalBackend(Backend):
         engine = ReferenceEngine(self.t, None, 0)
         self.gen = QueueGenerator(engine, self.cfg.batch_size)
         bf16 = str(next(self.t.model.parameters()).dtype) == "torch.bfloat16"
-        fast_attn = engine.lean is not None and bf16 and cpu_attention.available()
+        fast_attn = engine.lean is not None and bf16 and decode_attention.available()
         self.log(f"fastmtp distill: {self.cfg.batch_size} rows through the reference engine at K=0 "
                  f"(prepared weights {'on' if engine.packed else 'off'}, lean forward "
                  f"{'on' if engine.lean is not None else 'off'}, decode attention "

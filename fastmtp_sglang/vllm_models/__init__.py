@@ -8,6 +8,12 @@ class: :func:`register` hands vLLM's registry a ``"module:Class"`` string (vLLM'
 
 vLLM runs :func:`register` in each of its processes through the ``vllm.general_plugins`` entry
 point that ``pyproject.toml`` declares (``fastmtp = "fastmtp_sglang.vllm_models:register"``).
+
+Owns: ``fastmtp`` (FastMTPForCausalLM on vLLM's layers), ``k0`` (vLLM's K=0 steps write the
+draft's KV cache only).
+
+May import: ``fastmtp_sglang.models`` (what the two draft classes share),
+``fastmtp_sglang.vocab`` and ``fastmtp_sglang.core``.
 """
 
 from __future__ import annotations

@@ -7,5 +7,6 @@ script classes, per-request table routing on the device, text-level language det
 selection, coverage, and the whole ``fastmtp build-vocab`` build), ``draft_vocab`` (DraftVocab:
 one table per request, projected with the compressed-head kernel).
 
-May import: ``fastmtp_sglang.core`` and ``fastmtp_sglang.kernels``.
+May import: ``fastmtp_sglang.cpu_kernels`` (prepared linear layers), ``fastmtp_sglang.core`` and
+``fastmtp_sglang.kernels``.
 """

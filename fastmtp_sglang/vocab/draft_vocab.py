@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastmtp_sglang.core.packed_linear import prepared_linear
+from fastmtp_sglang.cpu_kernels.packed_linear import prepared_linear
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
 from fastmtp_sglang.vocab.language import token_script_classes
 from fastmtp_sglang.vocab.tables import TableSet

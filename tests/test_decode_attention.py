@@ -1,4 +1,4 @@
-"""The decode-attention kernel (core/cpu_attention.py) against its fp32 torch reference over odd
+"""The decode-attention kernel (cpu_kernels/decode_attention.py) against its fp32 torch reference over odd
 shapes, masks with holes, strided cache views and thread counts; a row's output does not depend
 on the other rows; bad shapes are refused. Skipped with the reason on CPUs without AVX-512."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmtp_sglang.core import cpu_attention as ca
+from fastmtp_sglang.cpu_kernels import decode_attention as ca
 
 needs = pytest.mark.skipif(not ca.available(), reason=f"cpu attention: {ca.unavailable_reason()}")
 

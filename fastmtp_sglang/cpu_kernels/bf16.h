@@ -1,5 +1,5 @@
-/* bf16 <-> fp32 and exp for 16 floats: the helpers cpu_amx.c and cpu_attention.c share.
-   Included (quoted) by both; cpu_amx.py hashes every header beside a source into the built
+/* bf16 <-> fp32 and exp for 16 floats: the helpers amx.c and decode_attention.c share.
+   Included (quoted) by both; loader.py hashes every header beside a source into the built
    library's cache name, so a change here rebuilds both. */
 
 #ifndef FASTMTP_CPU_BF16_H

@@ -1,5 +1,5 @@
 """Attention of a decode step (one new token per row) over a bf16 key/value cache in one pass
-(``cpu_attention.c``), on CPUs with AVX-512.
+(``decode_attention.c``), on CPUs with AVX-512.
 
 Why: at one query per row PyTorch's CPU ``scaled_dot_product_attention`` is far from the cost
 of reading the cache. Profiled in self-distillation on an AMD EPYC with avx512_bf16 and no AMX
@@ -9,11 +9,11 @@ traffic on 2 cores). The kernel streams each row's keys and values once for the 
 that share them, with the running-maximum softmax of flash attention, fp32 sums, and one
 rounding to bf16.
 
-- :func:`available` / :func:`unavailable_reason`: built with gcc on first use and cached like
-  core/cpu_amx.py's library (same private cache folder, sha256 checked before every load, flags
-  in the key); off with ``FASTMTP_CPU_KERNELS=off`` or on a CPU without ``avx512f``.
+- :func:`available` / :func:`unavailable_reason`: built with gcc on first use and cached by
+  loader.py, as amx.py's library is (same private cache folder, sha256 checked before every
+  load, flags in the key); off with ``FASTMTP_CPU_KERNELS=off`` or on a CPU without ``avx512f``.
 - :func:`decode_attention` runs it; :func:`decode_attention_ref` is the same maths in torch
-  (fp32), the reference the tests hold it to (tests/test_cpu_attention.py).
+  (fp32), the reference the tests hold it to (tests/test_decode_attention.py).
 
 The sums are fp32 in another order than PyTorch's kernel, so an output can differ from it in the
 last bf16 bit; a row's result does not depend on the other rows or on the thread count.
@@ -26,16 +26,15 @@ from pathlib import Path
 
 import torch
 
-from fastmtp_sglang.core import cpu_amx
+from fastmtp_sglang.cpu_kernels.loader import Once, load_for_cpu
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("decode_attention.c")
 NEEDS = ("avx512f",)
 MAX_D, MAX_G = 256, 16
 
 
-
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    lib, why = cpu_amx.load_for_cpu(SOURCE, "cpu_attention", NEEDS)
+    lib, why = load_for_cpu(SOURCE, "decode_attention", NEEDS)
     if lib is not None:
         P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         fn = lib.fastmtp_decode_attn_bf16
@@ -44,7 +43,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, why
 
 
-_once = cpu_amx.Once(lambda: _load())
+_once = Once(lambda: _load())
 _state = _once.state
 
 
@@ -88,7 +87,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     """
     lib = library()
     if lib is None:
-        raise RuntimeError(f"cpu_attention is unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"the decode-attention kernel is unavailable: {unavailable_reason()}")
     if not fits(q, k) or v.shape != k.shape or v.stride(-1) != 1 or v.dtype != k.dtype:
         raise ValueError(f"decode_attention takes bf16 q [B, H, 1, D] and k, v [B, n_kv, T, D] with "
                          f"D % 16 == 0, D <= {MAX_D}; got q {tuple(q.shape)} {q.dtype}, "

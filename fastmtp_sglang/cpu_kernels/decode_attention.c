@@ -6,7 +6,7 @@
    out[g] = sum_t softmax(s[g])_t v[t], rounded to bf16 (nearest even) once. Keys are taken in
    blocks of 64 with the running maximum of each query (the online softmax of flash attention), so
    one pass over the cache does it. PyTorch's CPU scaled_dot_product_attention at one query per
-   row spent ~4x the time it takes to read the cache once (fastmtp_sglang/core/cpu_attention.py).
+   row spent ~4x the time it takes to read the cache once (fastmtp_sglang/cpu_kernels/decode_attention.py).
 
    Rows x heads are split across OpenMP threads (the library is linked against the libgomp
    PyTorch loaded). Needs AVX-512F. */
@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
+#include "bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
 
 #define BLK 64
 

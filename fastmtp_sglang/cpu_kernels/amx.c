@@ -2,7 +2,7 @@
    all rows.
 
    y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]) in bf16, accumulated in fp32, for M rows. W is laid
-   out once (fastmtp_sglang/core/cpu_amx.py) as [N/16][K/2][16][2], zero-padded to whole blocks
+   out once (fastmtp_sglang/cpu_kernels/amx.py) as [N/16][K/2][16][2], zero-padded to whole blocks
    of 16 output columns and whole tiles of 32 inputs, so that 16 consecutive pairs of one block
    are one 1 KB tile: 16 pairs of inputs x 16 columns, the B operand of TDPBF16PS. The rows'
    inputs are the A operand (up to 16 rows x 32 inputs), the C tile holds 16 rows x 16 fp32
@@ -11,7 +11,7 @@
    products in the same order for any M (a row's result does not depend on the other rows).
    The sums get the bias in fp32 and are rounded to bf16 (nearest even) once.
 
-   Blocks of columns are split across OpenMP threads; cpu_amx.py links the library against
+   Blocks of columns are split across OpenMP threads; loader.py links the library against
    the libgomp PyTorch has already loaded, so no second thread pool competes for the cores.
    Tile configuration is per thread: each thread loads its own and releases it. */
 
@@ -22,9 +22,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "cpu_bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
+#include "bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
 
-/* K must be a multiple of 32 (cpu_amx.py pads the rows' inputs with zeros), and the process
+/* K must be a multiple of 32 (amx.py pads the rows' inputs with zeros), and the process
    must hold the permission to use tile data (fastmtp_amx_init). */
 
 typedef struct {

@@ -6,7 +6,7 @@ request), that reorder costs as much as the matmul itself. ``torch.ops.mkldnn._r
 does it once, and ``torch.ops.mkldnn._linear_pointwise`` then reads the prepared weight (the ops
 PyTorch's inductor uses when it freezes a CPU model; callable in eager mode, no compile). On the
 AMX Xeon this project runs on, the demo target's projections ran 1.2-1.7x faster at 1-16 rows, with results
-bit-identical to ``F.linear`` at every row count measured (bench/packed_linear_probe.py).
+bit-identical to ``F.linear`` at every row count measured (bench/probes/packed_linear_probe.py).
 
 :func:`pack_linears` swaps the ``forward`` of every ``nn.Linear`` in a module (state dicts and
 parameters are untouched). The prepared copy is used only where it is exact and fresh: bf16
@@ -23,8 +23,8 @@ and leaves the others theirs, keyed by the input tensor itself; a member called 
 input computes its own. Only up to ``FUSED_MAX_ROWS`` rows, where the fused product is
 bit-identical to the separate ones (it was not at 200 rows: prefills keep the separate path).
 
-Where the CPU has AMX the prepared copy is laid out in tiles for core/cpu_amx.py instead of
-oneDNN's layout (``cpu_amx.available()`` says which): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
+Where the CPU has AMX the prepared copy is laid out in tiles for amx.py instead of
+oneDNN's layout (``amx.available()`` says which): the same products 1.2-1.4x faster at 1-16 rows, level at 64,
 slower from 128 rows (bench/results/cpu_kernels_probe/). Its sums run in another order than oneDNN's, so the last bit of an output may differ from
 ``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
 independent of the other rows, and a fused product equals the separate ones exactly.
@@ -39,8 +39,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core import cpu_amx
 from fastmtp_sglang.core.hardware import cpu_flags, fast_bf16
+from fastmtp_sglang.cpu_kernels import amx
 
 _HINT = 16  # oneDNN's batch-size hint for the layout: exact at every row count we measured from 8 up
 _ATTR = "_fastmtp_packed"
@@ -81,17 +81,17 @@ def _version(w: torch.Tensor) -> tuple[int, int]:
 
 
 def _prepare(w: torch.Tensor):
-    """``w`` laid out for the backend: AMX tiles (core/cpu_amx.py) where available, oneDNN's
+    """``w`` laid out for the backend: AMX tiles (amx.py) where available, oneDNN's
     layout otherwise."""
-    if cpu_amx.available():
-        return cpu_amx.pack(w)
+    if amx.available():
+        return amx.pack(w)
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT)
 
 
 def _apply(x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(prepared, cpu_amx.Packed):
-        return cpu_amx.linear(x, prepared, bias)
+    if isinstance(prepared, amx.Packed):
+        return amx.linear(x, prepared, bias)
     shape = x.shape
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), prepared, bias, "none", [], "")
     return y.reshape(*shape[:-1], y.shape[-1])

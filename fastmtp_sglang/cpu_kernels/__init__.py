@@ -1,0 +1,13 @@
+"""The CPU speed code: C kernels built on first use, their one loader, and linear layers on
+prepared weights.
+
+Owns: ``loader`` (builds and loads the C files of this folder: the private kernel cache, the
+sha256 check, ``FASTMTP_CPU_KERNELS=off``), ``amx`` (+ ``amx.c``: the AMX small-rows bf16 linear
+and the fused elementwise steps of a bf16 decoder layer), ``decode_attention`` (+
+``decode_attention.c``: one new token per row over a bf16 cache in one pass, AVX-512),
+``packed_linear`` (bf16 linear layers on weights laid out once: oneDNN's, or ``amx`` tiles).
+``bf16.h``: the helpers both C files include.
+
+May import: ``fastmtp_sglang.core`` (what the CPU has, the cache folder). Never ``vocab`` or
+anything above it.
+"""

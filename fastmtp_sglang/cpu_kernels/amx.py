@@ -1,0 +1,181 @@
+"""bf16 linear layers at the few rows of a decode step on AMX tiles (``amx.c``), and the
+elementwise steps of a bf16 decoder layer.
+
+A plain step multiplies one row by every weight of the model; a verify, K+1 rows; a batch of B
+requests, B (K+1) rows. Through oneDNN's kernels on prepared weights (packed_linear.py) the
+demo target's 120 projections of a step stream their 212 MB at 18-19 GB/s on the AMX Xeon, where
+a plain read of memory reached 28.7 GB/s in the same run, at every row count from 1 to 16 (each product is a
+short call with its own fixed cost). ``amx.c`` multiplies each 1 KB tile of a weight
+against all rows before it reads the next, in one call with little around it: the same 120
+products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows, slower from 128
+(``python bench/probes/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
+
+- :func:`available`: the kernel is built with the system's C compiler on first use and cached
+  (loader.py: a private folder, the sha256 checked before every load). False, with
+  :func:`unavailable_reason` (a build failure or a refused folder is also logged, once), on a
+  CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel cannot be built or the OS
+  refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``: callers then keep oneDNN
+  (packed_linear.py).
+- :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
+- :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
+  layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
+
+The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
+of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of
+the call (tests/test_cpu_amx.py: float64 reference over odd shapes, row independence).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastmtp_sglang.cpu_kernels.loader import Once, load_for_cpu
+
+SOURCE = Path(__file__).with_name("amx.c")
+NEEDS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+TILE_K = 32                      # inputs per tile
+BLOCK_N = 16                     # output columns per tile
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    lib, why = load_for_cpu(SOURCE, "amx", NEEDS)
+    if lib is None:
+        return None, why
+    lib.fastmtp_linear_bf16_amx.restype = None
+    lib.fastmtp_linear_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    P, I = ctypes.c_void_p, ctypes.c_int
+    for name, args in (("fastmtp_add_rms_bf16", [P, P, P, P, I, I, ctypes.c_float]),
+                       ("fastmtp_rope_bf16", [P, P, P, I, I, I, I]),
+                       ("fastmtp_silu_mul_bf16", [P, P, I, I])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, args
+    lib.fastmtp_amx_init.restype = ctypes.c_int
+    if lib.fastmtp_amx_init() != 0:
+        return None, "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return lib, None
+
+
+_once = Once(lambda: _load())
+_state = _once.state
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (then :func:`unavailable_reason` says why). Built once per
+    source, compiler and flags, loaded once per process (a failure is logged once)."""
+    return _once.get()
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def unavailable_reason() -> str | None:
+    return _once.why()
+
+
+@dataclass
+class Packed:
+    """A bf16 weight [n, k] in tiles ([N/16][K/2][16][2], zero-padded: N to 16, K to 32)."""
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+
+def pack(w: torch.Tensor) -> Packed:
+    """Lay a bf16 weight ``w`` [N, K] out in tiles for :func:`linear`."""
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"pack takes a 2-D bf16 weight, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    nb, kp = -(-N // BLOCK_N), -(-K // TILE_K) * TILE_K // 2
+    with torch.no_grad():
+        pad = w.new_zeros(nb * BLOCK_N, kp * 2, device="cpu")
+        pad[:N, :K] = w.detach()
+        data = pad.view(nb, BLOCK_N, kp, 2).permute(0, 2, 1, 3).contiguous()
+    return Packed(data, N, K)
+
+
+def linear_rows(x: torch.Tensor, p: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` for a contiguous bf16 ``x`` [M, K] with K a multiple of 32 and an fp32
+    ``bias`` or None, without the checks (the engine's hot path; callers guarantee them)."""
+    M = x.shape[0]
+    y = torch.empty(M, p.n, dtype=torch.bfloat16)
+    _once.state["lib"].fastmtp_linear_bf16_amx(x.data_ptr(), p.data.data_ptr(),
+                                          bias.data_ptr() if bias is not None else None,
+                                          y.data_ptr(), M, p.n, p.k, torch.get_num_threads())
+    return y
+
+
+def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a bf16 ``x`` [..., K] on the CPU (``bias`` [N], any float dtype)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the AMX kernel is unavailable: {unavailable_reason()}")
+    if x.dtype != torch.bfloat16 or x.shape[-1] != p.k or x.device.type != "cpu":
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} {x.device} does not fit a packed bf16 "
+                         f"weight of {p.k} inputs on the CPU")
+    shape = x.shape
+    x2 = x.reshape(-1, p.k)
+    M, K = x2.shape[0], p.k
+    y = torch.empty(M, p.n, dtype=torch.bfloat16)
+    if M:
+        if K % TILE_K:  # tiles read whole 32-input pieces: pad the rows with zeros
+            K = -(-K // TILE_K) * TILE_K
+            x2 = torch.nn.functional.pad(x2, (0, K - p.k))
+        elif not x2.is_contiguous():
+            x2 = x2.contiguous()
+        b = None
+        if bias is not None:
+            b = bias.detach()
+            if b.dtype != torch.float32 or not b.is_contiguous():
+                b = b.float().contiguous()
+        lib.fastmtp_linear_bf16_amx(x2.data_ptr(), p.data.data_ptr(),
+                                    b.data_ptr() if b is not None else None, y.data_ptr(),
+                                    M, p.n, K, torch.get_num_threads())
+    return y.reshape(*shape[:-1], p.n)
+
+
+# -- the elementwise steps of a bf16 decoder layer (one call each; transformers' roundings) ----
+
+def _rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous bf16 CPU tensor, got {t.dtype} {t.device}")
+
+
+def add_rms_(x: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out: torch.Tensor) -> torch.Tensor:
+    """``x += d`` in place (when ``d``), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))``
+    (Llama's residual add and RMSNorm). x, d, out [N, H]; returns ``out``."""
+    for t, n in ((x, "x"), (out, "out"), (weight, "weight")) + (((d, "d"),) if d is not None else ()):
+        _rows(t, n)
+    N, H = x.shape
+    library().fastmtp_add_rms_bf16(x.data_ptr(), d.data_ptr() if d is not None else None,
+                                   weight.data_ptr(), out.data_ptr(), N, H, float(eps))
+    return out
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embedding of the first ``heads`` heads of every row of ``qkv`` [N, W], in place;
+    ``cos``, ``sin`` [N, head_dim]."""
+    for t, n in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
+        _rows(t, n)
+    if head_dim > 512 or heads * head_dim > qkv.shape[1]:
+        raise ValueError(f"{heads} heads of {head_dim} do not fit rows of {qkv.shape[1]}")
+    library().fastmtp_rope_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                                heads, head_dim, qkv.shape[1])
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``bf16(silu(g)) * u`` for ``gu`` = [g | u] [N, 2I] -> [N, I]."""
+    _rows(gu, "gu")
+    N, I2 = gu.shape
+    out = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
+    library().fastmtp_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), N, I2 // 2)
+    return out
