@@ -19,8 +19,9 @@ script records the load average before and after and the CPU.
 top-32 log-probabilities, decode/capture.py: ``distill --target --with-features``), beside the
 plain one: the cost of features kept in the same pass (the sink's disk writes are not counted).
 
-``--engines slots`` measured the retired second batcher (``decode/batch_gen.py``, removed after
-commit 7e8d130: check that commit out to run it).
+The slot-batcher rows of bench/results/distill_throughput/ measured the retired second batcher
+(``decode/batch_gen.py``, removed after commit 7e8d130, with its ``--engines slots`` arm: check
+that commit out to run it again).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "bench" / "train_prompts" / "alpaca_eval_instructions.jsonl"
+# --engines: the in-process generators, by the name their rows carry
+ENGINES = {"queue": "engine at K=0 (decode/generator.py)",
+           "capture": "engine at K=0 keeping features (top-32)"}
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -47,24 +51,14 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
 
 def run_local(target, ids: list[list[int]], batch: int, max_new: int, engine: str,
               samples: int = 1) -> dict:
+    from fastmtp_sglang.decode.engine import ReferenceEngine
+    from fastmtp_sglang.decode.generator import GenRequest, QueueGenerator
     from fastmtp_sglang.decode.sampling import SamplingParams
 
-    if engine == "slots":  # the retired batcher (see the module docstring)
-        from fastmtp_sglang.decode.batch_gen import GenRequest, SlotGenerator
-
-        def worker(sub):
-            return SlotGenerator(target, batch, max(len(x) for x in sub) + max_new + 1).worker()
-    else:
-        from fastmtp_sglang.decode.engine import ReferenceEngine
-        from fastmtp_sglang.decode.generator import GenRequest, QueueGenerator
-
-        eng = ReferenceEngine(target, None, 0)
-
-        def worker(sub):
-            return QueueGenerator(eng, batch).worker()
+    eng = ReferenceEngine(target, None, 0)
 
     def go(sub):
-        w = worker(sub)
+        w = QueueGenerator(eng, batch).worker()
         t0 = time.perf_counter()
         futs = [w.submit(GenRequest(x, SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
                                                       max_new_tokens=max_new, seed=i),
@@ -78,9 +72,7 @@ def run_local(target, ids: list[list[int]], batch: int, max_new: int, engine: st
     reqs = [x for x in ids for _ in range(samples)]
     go(reqs[: min(len(reqs), max(2, batch // 4))])  # warm-up: shapes, allocator, threads
     toks, secs = go(reqs)
-    name = {"queue": "engine at K=0 (decode/generator.py)",
-            "capture": "engine at K=0 keeping features (top-32)",
-            "slots": "slot batcher (batch_gen.py, retired)"}[engine]
+    name = ENGINES[engine]
     return {"engine": f"{name}, batch {batch}" + (f", {samples} samples a prompt" if samples > 1 else ""),
             "generator": engine, "batch": batch, "samples": samples, "prompts": len(reqs),
             "tokens": toks, "seconds": round(secs, 1), "tokens_per_s": round(toks / secs, 1)}
@@ -147,11 +139,15 @@ def main() -> int:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--engines", default="queue",
-                    help="in-process generators, comma-separated: queue (the engine, today's), "
-                         "capture (the engine keeping features) and slots (the retired batcher)")
+                    help="in-process generators, comma-separated: queue (the engine) and "
+                         "capture (the engine keeping features)")
     ap.add_argument("--samples", type=int, default=1, help="seeded samples of each prompt")
     ap.add_argument("--rounds", type=int, default=1, help="repeats of every in-process configuration")
     args = ap.parse_args()
+    unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
+    if unknown:
+        ap.error(f"--engines {args.engines}: unknown {', '.join(unknown)}; choose from "
+                 f"{', '.join(ENGINES)} (the slot batcher was retired, see the docstring)")
 
     import statistics
 

@@ -16,21 +16,8 @@
 # (fastmtp_sglang/serving/sglang_launch.py); read it to adapt the command by hand.
 set -euo pipefail
 
-if [[ $# -lt 2 ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
-    exit 2
-fi
-TARGET=$1
-DRAFT=$2
-shift 2
-K=3
-if [[ $# -gt 0 && $1 != "--" ]]; then
-    K=$1
-    shift
-fi
-if [[ $# -gt 0 && $1 == "--" ]]; then
-    shift
-fi
+# TARGET DRAFT [K] [--] into TARGET, DRAFT and K; the extra flags are left in "$@"
+source "$(dirname "$0")/serve_args.sh"
 PORT=${PORT:-30000}
 HOST=${HOST:-127.0.0.1}
 PYTHON=${PYTHON:-python}

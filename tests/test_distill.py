@@ -560,3 +560,12 @@ def test_in_process_interrupt_leaves_a_resumable_file(target_dir, tmp_path):
     distill(cfg, log=lambda s: None)
     assert sorted(read_lines(Path(cfg.out)), key=lambda r: r["id"]) == \
         sorted(read_lines(Path(whole.out)), key=lambda r: r["id"])
+
+
+def test_eval_texts_names_an_unreadable_exclude_file(tmp_path):
+    with pytest.raises(FastMTPError, match=r"--exclude file not found: .*nope\.jsonl"):
+        eval_texts([tmp_path / "nope.jsonl"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "ok"}\n\xff\xfe\n')
+    with pytest.raises(FastMTPError, match=r"cannot read --exclude file .*bad\.jsonl"):
+        eval_texts([bad])

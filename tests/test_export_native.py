@@ -451,3 +451,21 @@ def test_sglang_sees_a_wrong_export(mutation, sgl, mimo_remote, mimo_head, tmp_p
                         *_inputs(mimo_remote.config, zero_token=5))
     _, want = head_reference(mimo_head, embed_w, lm_w, *_inputs(mimo_remote.config, zero_token=5))
     assert not torch.allclose(got.next_token_logits, want, atol=1e-3)
+
+
+def test_source_checkpoint_config_errors(tmp_path):
+    """A source without config.json, or with one that is not JSON (or not UTF-8): one
+    DraftFormatError naming the file, as draft directories get."""
+    from fastmtp_sglang.core.draft_dir import read_config
+    from fastmtp_sglang.core.errors import DraftFormatError
+
+    with pytest.raises(DraftFormatError, match="has no config.json"):
+        ex.SourceCheckpoint.open(tmp_path)
+    for name, blob in (("not_json", b"{oops"), ("not_utf8", b'{"a": "\xff"}')):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_bytes(blob)
+        with pytest.raises(DraftFormatError, match=rf"{name}/config.json is not valid JSON"):
+            ex.SourceCheckpoint.open(d)
+        with pytest.raises(DraftFormatError, match=rf"{name}/config.json is not valid JSON"):
+            read_config(d)

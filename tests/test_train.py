@@ -459,10 +459,11 @@ def test_resume_reproduces_uninterrupted_run(toy):
               resume=root / "halves", progress=False)
 
 
-def test_warm_restart_records_the_lineage(toy):
+def test_warm_restart_records_the_lineage(toy, monkeypatch):
     """A head continued from a trained head says which runs made it and their summed steps; a
     resumed continuation keeps that lineage instead of adding itself to it."""
     target, data, init, root, _ = toy
+    monkeypatch.chdir(root)  # the "repository" the runs start in: paths recorded relative to it
     first = train(small_cfg(epochs=1), target, data, root / "lin1", init=init, progress=False)
     meta1 = json.loads((root / "lin1" / "config.json").read_text())["fastmtp"]
     assert "lineage" not in meta1  # from an untrained init
@@ -472,7 +473,8 @@ def test_warm_restart_records_the_lineage(toy):
     meta2 = json.loads((root / "lin2" / "config.json").read_text())["fastmtp"]
     (entry,) = meta2["lineage"]
     assert entry["optimizer_steps"] == first.global_step and entry["lr"] == 3e-3
-    assert entry["init"] == str(init) and entry["data_sha256"] == meta1["training"]["data_sha256"]
+    assert entry["init"] == "init" and entry["data"] == "data.jsonl"
+    assert entry["data_sha256"] == meta1["training"]["data_sha256"]
     assert meta2["training"]["optimizer_steps_cumulative"] == first.global_step + second.global_step
     half = train(small_cfg(epochs=2, halt_after_steps=2), target, data, root / "lin3",
                  init=root / "lin2", progress=False)
@@ -483,6 +485,62 @@ def test_warm_restart_records_the_lineage(toy):
     assert [e["optimizer_steps"] for e in meta3["lineage"]] == [first.global_step, second.global_step]
     assert meta3["training"]["optimizer_steps_cumulative"] == (
         first.global_step + second.global_step + resumed.global_step)
+
+
+def _strings(obj):
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _strings(v)
+
+
+def test_a_written_lineage_has_no_absolute_path(toy):
+    """A head's training record and lineage travel with it (the shipped head's config.json): data
+    and init outside the directory the run started in are recorded as None, never as this
+    machine's absolute paths; the data's sha256 still identifies them. The log that ships beside
+    the weights holds none either."""
+    target, data, init, root, _ = toy
+    assert not Path.cwd().resolve() in root.resolve().parents  # the toy lives outside the cwd
+    train(small_cfg(epochs=1, halt_after_steps=2), target, data, root / "abs1", init=init,
+          progress=False)
+    train(small_cfg(epochs=1, halt_after_steps=2), target, data, root / "abs2", init=root / "abs1",
+          progress=False)
+    meta = json.loads((root / "abs2" / "config.json").read_text())["fastmtp"]
+    (entry,) = meta["lineage"]
+    assert entry["data"] is None and entry["init"] is None and len(entry["data_sha256"]) == 64
+    assert meta["training"]["data"] is None and meta["training"]["init"] is None
+    log = [json.loads(x) for x in (root / "abs2" / "train_log.jsonl").read_text().splitlines()]
+    for text in [*_strings(meta), *(s for rec in log for s in _strings(rec))]:
+        assert not Path(text).is_absolute() and str(root) not in text, text
+
+
+def test_the_shipped_heads_record_no_absolute_path():
+    """The committed heads' config.json and train_log.jsonl: repository-relative paths and
+    hashes only (their records were written before portable_path; kept clean by hand)."""
+    heads = Path(__file__).resolve().parent.parent / "fastmtp_sglang" / "data" / "heads"
+    configs = sorted(heads.glob("*/config.json"))
+    assert configs
+    for cfg in configs:
+        records = [json.loads(cfg.read_text())]
+        log = cfg.with_name("train_log.jsonl")
+        if log.is_file():
+            records += [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+        for text in (s for rec in records for s in _strings(rec)):
+            assert not Path(text).is_absolute(), f"{cfg.parent.name}: {text}"
+
+
+def test_portable_path(tmp_path):
+    from fastmtp_sglang.training.checkpoints import portable_path
+
+    assert portable_path(None) is None
+    assert portable_path("runs/x/data.jsonl") == "runs/x/data.jsonl"  # relative: kept
+    assert portable_path(tmp_path / "runs" / "d.jsonl", root=tmp_path) == "runs/d.jsonl"
+    assert portable_path(tmp_path / "d.jsonl", root=tmp_path / "repo") is None
+    assert portable_path("/work/main/runs/init", root=tmp_path) is None
 
 
 def test_checkpoint_carries_the_init_tables(toy):
@@ -647,7 +705,7 @@ def test_lr_default_depends_on_the_init(tmp_path):
     converted MTP layer keeps TrainConfig's default; a flag or a checkpoint's LR wins."""
     import argparse
 
-    from fastmtp_sglang.cli.train import _config_from_args
+    from fastmtp_sglang.cli.train import config_from_args
     from fastmtp_sglang.training.config import NEW_HEAD_LR
 
     new, conv = tmp_path / "new", tmp_path / "conv"
@@ -656,7 +714,7 @@ def test_lr_default_depends_on_the_init(tmp_path):
         (d / "config.json").write_text(json.dumps({"fastmtp": {"format_version": 1, **extra}}))
 
     def cfg(init, lr=None, saved=None):
-        return _config_from_args(argparse.Namespace(init=str(init), lr=lr), saved)
+        return config_from_args(argparse.Namespace(init=str(init), lr=lr), saved)
 
     assert cfg(new).lr == NEW_HEAD_LR != TrainConfig().lr
     assert cfg(conv).lr == TrainConfig().lr

@@ -61,41 +61,22 @@ from sglang.srt.utils import add_prefix
 from sglang.srt.utils.hf_transformers import get_rope_config
 
 from fastmtp_sglang.core.errors import DraftFormatError
-from fastmtp_sglang.core.draft_dir import check_tensors, expected_shapes
 from fastmtp_sglang.core.head import HeadConfig
 from fastmtp_sglang.models.compressed_projection import projection_for_draft
+from fastmtp_sglang.models import draft_common
 
 logger = logging.getLogger(__name__)
 
 
-def head_config_of(config: PretrainedConfig) -> HeadConfig:
-    """The pure-torch head's config for an SGLang-loaded draft config (layout, block, biases)."""
-    return HeadConfig.from_dict(config.to_dict())
-
-
 class FastMTPAttention(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        cfg: HeadConfig,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, cfg: HeadConfig,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         super().__init__()
-        tp_size = get_parallel().tp_size
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.num_key_value_heads
-        if self.total_num_heads % tp_size or (
-            self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads
-        ):
-            raise ValueError(
-                f"--tp-size {tp_size} does not split the draft's {self.total_num_heads} query / "
-                f"{self.total_num_kv_heads} KV heads; pick a tp size that divides both "
-                "(or that the KV heads divide)"
-            )
-        self.num_heads = self.total_num_heads // tp_size
-        # fewer KV heads than ranks: each rank keeps a replica of one
-        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.num_heads, self.num_kv_heads = draft_common.split_heads(
+            cfg, get_parallel().tp_size, "--tp-size"
+        )
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -144,12 +125,9 @@ class FastMTPAttention(nn.Module):
             prefix=add_prefix("attn", prefix),
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden_states: torch.Tensor,  # [T, H]
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor,  # [T]
+                hidden_states: torch.Tensor,  # [T, H]
+                forward_batch: ForwardBatch) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
@@ -159,12 +137,8 @@ class FastMTPAttention(nn.Module):
 
 
 class FastMTPMLP(nn.Module):
-    def __init__(
-        self,
-        cfg: HeadConfig,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
+    def __init__(self, cfg: HeadConfig, quant_config: Optional[QuantizationConfig] = None,
+                 prefix: str = "") -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise DraftFormatError(
@@ -187,21 +161,14 @@ class FastMTPMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(gate_up))
-        return x
+        return draft_common.mlp_forward(self, x)
 
 
 class FastMTPDecoderLayer(nn.Module):
     """One dense pre-norm block; it completes its own residual sums (one layer, no stages)."""
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        cfg: HeadConfig,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, cfg: HeadConfig,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = FastMTPAttention(
@@ -210,34 +177,19 @@ class FastMTPDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = FastMTPMLP(cfg, quant_config, prefix=add_prefix("mlp", prefix))
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden_states: torch.Tensor,  # [T, H]
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            positions, self.input_layernorm(hidden_states), forward_batch
-        )
-        # fused: residual <- residual + attn_out, hidden <- norm(residual)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return residual + self.mlp(hidden_states)
+    def forward(self, positions: torch.Tensor,  # [T]
+                hidden_states: torch.Tensor,  # [T, H]
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        return draft_common.block_forward(self, positions, hidden_states, forward_batch)
 
 
 class FastMTPModel(nn.Module):
     """Input fusion + block + final norm; returns the hidden state the worker feeds back."""
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        cfg: HeadConfig,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, cfg: HeadConfig,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.layout = cfg.layout
         # placeholder until set_embed_and_head binds the target's (same vocab-parallel layout)
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size,
@@ -247,17 +199,11 @@ class FastMTPModel(nn.Module):
         )
         self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps)
-        # 2H -> H is small next to the block: replicated on every rank, no collective
-        def proj(name: str, n_in: int) -> ReplicatedLinear:
+
+        def proj(name: str, n_in: int) -> ReplicatedLinear:  # small: replicated, no collective
             return ReplicatedLinear(n_in, h, bias=False, prefix=add_prefix(name, prefix))
 
-        if cfg.layout == "mimo":  # input_proj(cat[hnorm(h), enorm(e)])
-            self.input_proj = proj("input_proj", 2 * h)
-        elif cfg.layout == "deepseek":  # eh_proj(cat[enorm(e), hnorm(h)])
-            self.eh_proj = proj("eh_proj", 2 * h)
-        else:  # split: e_proj(enorm(e)) + h_proj(hnorm(h))
-            self.e_proj = proj("e_proj", h)
-            self.h_proj = proj("h_proj", h)
+        draft_common.add_input_projection(self, cfg.layout, h, proj)
         self.layer = FastMTPDecoderLayer(
             config, cfg, quant_config, prefix=add_prefix("layer", prefix)
         )
@@ -265,12 +211,7 @@ class FastMTPModel(nn.Module):
 
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The layout's input projection. hidden, embeds: [T, H] -> [T, H]."""
-        h, e = self.hnorm(hidden), self.enorm(embeds)
-        if self.layout == "mimo":
-            return self.input_proj(torch.cat([h, e], dim=-1))[0]
-        if self.layout == "deepseek":
-            return self.eh_proj(torch.cat([e, h], dim=-1))[0]
-        return self.e_proj(e)[0] + self.h_proj(h)[0]
+        return draft_common.fuse_inputs(self, hidden, embeds)
 
     def forward(
         self,
@@ -289,17 +230,6 @@ class FastMTPModel(nn.Module):
 class FastMTPForCausalLM(nn.Module):
     """The SGLang draft model class named in a draft directory's ``architectures``."""
 
-    # checkpoint shard name -> (fused parameter, shard id): the draft directory stores q/k/v and
-    # gate/up separately (FastMTPHead's names); SGLang fuses them for one GEMM each
-    stacked_params_mapping = [
-        # (param_name, shard_name, shard_id)
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    ]
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -309,7 +239,7 @@ class FastMTPForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.quant_config = quant_config
-        self.head_config = head_config_of(config)
+        self.head_config = draft_common.head_config_of(config)
         self.model = FastMTPModel(
             config, self.head_config, quant_config, prefix=add_prefix("model", prefix)
         )
@@ -395,32 +325,13 @@ class FastMTPForCausalLM(nn.Module):
         The names and (unsharded) shapes must be exactly ``FastMTPHead``'s for this config
         (``draft_dir.expected_shapes``): one ``DraftFormatError`` names every missing,
         unexpected and mis-shaped tensor, before anything is copied. Returns the names of the
-        parameters loaded (everything but the target's embedding and lm_head).
+        parameters loaded (everything but the target's embedding and lm_head); q/k/v and
+        gate/up go into SGLang's fused parameters (``draft_common.STACKED_PARAMS_MAPPING``).
         """
-        tensors = dict(weights)
-        cfg = self.head_config
-        check_tensors(
-            expected_shapes(cfg),
-            {name: tuple(t.shape) for name, t in tensors.items()},
-            f"the draft weights for a {cfg.layout}/{cfg.block} FastMTP head",
+        loaded = draft_common.load_draft_weights(
+            self, self.head_config, weights, default_weight_loader,
+            shared=("model.embed_tokens.weight", "lm_head.weight"),
         )
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors.items():
-            target = "model." + name
-            for param_name, shard_name, shard_id in self.stacked_params_mapping:
-                if shard_name in target:
-                    fused = target.replace(shard_name, param_name)
-                    param = params[fused]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(fused)
-                    break
-            else:
-                param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(target)
-        shared = {"model.embed_tokens.weight", "lm_head.weight"}
-        assert loaded == set(params) - shared, sorted(set(params) - shared - loaded)
         self.install_vocab_tables()
         return loaded
 

@@ -6,6 +6,7 @@ weights, optimizer, scheduler, position in the data, RNG) and ``train_log.jsonl`
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -140,7 +141,7 @@ class RunState:
         meta["training"] = {
             "mode": "vanilla" if cfg.vanilla else "fastmtp",
             "attention": cfg.attention,
-            "data": str(ds.path), "data_sha256": ds.sha256, "data_counts": asdict(ds.counts),
+            "data": portable_path(ds.path), "data_sha256": ds.sha256, "data_counts": asdict(ds.counts),
             "sequences_train": len(ds.train_idx), "sequences_heldout": len(ds.held_idx),
             "optimizer_steps": self.global_step, "optimizer_steps_total": self.total, "finished": finished,
             "optimizer_steps_cumulative": self.global_step + sum(e["optimizer_steps"] for e in self.lineage),
@@ -149,12 +150,33 @@ class RunState:
             "heldout": last_eval,
             "tau_train": (last_eval or {}).get("tau_train"),
             "vocab": {"name": self.vocab_name, "size": proj.size} if proj.vocab_ids is not None else None,
-            "init": str(init) if init is not None else self.draft.meta.get("training", {}).get("init"),
+            "init": portable_path(init if init is not None
+                                  else self.draft.meta.get("training", {}).get("init")),
             "config": asdict(cfg),
         }
         if self.lineage:
             meta["lineage"] = self.lineage
         return config
+
+
+def portable_path(path: str | os.PathLike | None, root: Path | None = None) -> str | None:
+    """``path`` as a draft's training record keeps it: never an absolute path of the machine that
+    wrote it (a shipped head's config.json travels to other machines).
+
+    A relative path is kept as given (relative to the directory the run started in, say the
+    repository root). An absolute one inside ``root`` (default: the working directory) becomes
+    relative to it; one outside it becomes None, and the record's sha256 (``data_sha256``) is
+    what identifies the file.
+    """
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    try:
+        return p.resolve().relative_to((root or Path.cwd()).resolve()).as_posix()
+    except ValueError:
+        return None
 
 
 def lineage_of(meta: dict[str, Any], resumed: bool) -> list[dict[str, Any]]:
@@ -163,18 +185,21 @@ def lineage_of(meta: dict[str, Any], resumed: bool) -> list[dict[str, Any]]:
     A run that starts from a trained head (a warm restart: ``--init`` of a head ``fastmtp train``
     wrote) adds that head's run to the head's own lineage, so a head continued across sessions
     says how many optimizer steps, and on which data, made it. A resumed run keeps its
-    checkpoint's lineage; a head from ``init-head`` has none."""
-    lineage = [dict(e) for e in meta.get("lineage") or []]
+    checkpoint's lineage; a head from ``init-head`` has none. Paths are kept as
+    :func:`portable_path` gives them (an inherited absolute path becomes None; the data's sha256
+    stays)."""
+    lineage = [{**e, "data": portable_path(e.get("data")), "init": portable_path(e.get("init"))}
+               for e in meta.get("lineage") or []]
     t = meta.get("training")
     if resumed or not t:
         return lineage
     c = t.get("config") or {}
     lineage.append({
-        "data": t.get("data"), "data_sha256": t.get("data_sha256"),
+        "data": portable_path(t.get("data")), "data_sha256": t.get("data_sha256"),
         "sequences_train": t.get("sequences_train"), "optimizer_steps": int(t.get("optimizer_steps") or 0),
         "epochs_done": t.get("epochs_done"), "finished": t.get("finished"),
         "lr": c.get("lr"), "loss": c.get("loss"), "batch_size": c.get("batch_size"),
-        "vocab": t.get("vocab"), "init": t.get("init"),
+        "vocab": t.get("vocab"), "init": portable_path(t.get("init")),
         "heldout_tau_walk": (t.get("heldout") or {}).get("tau_walk"),
     })
     return lineage

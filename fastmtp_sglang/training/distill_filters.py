@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Sequence
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.core.prompts import read_lines
 
 MIN_CONTAINED_CHARS = 32  # shorter normalised texts only count as overlap when equal
 MIN_REPEATS = 3           # an n-gram seen once or twice is not a loop (a restated sentence)
@@ -38,13 +39,7 @@ def eval_texts(paths: Iterable[str | Path]) -> list[str]:
     """
     texts: list[str] = []
     for path in map(Path, paths):
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise FastMTPError(f"--exclude file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise FastMTPError(f"cannot read --exclude file {path}: {exc}") from None
-        for lineno, line in enumerate(lines, start=1):
+        for lineno, line in enumerate(read_lines(path, "--exclude file"), start=1):
             if not line.strip():
                 continue
             try:

@@ -72,7 +72,8 @@ from fastmtp_sglang.core.draft_dir import DraftDir, load_draft_dir
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.head import FastMTPHead
 from fastmtp_sglang.training import parallel
-from fastmtp_sglang.training.checkpoints import LOG_NAME, RunState, lineage_of, load_trainer_state
+from fastmtp_sglang.training.checkpoints import (LOG_NAME, RunState, lineage_of, load_trainer_state,
+                                                 portable_path)
 from fastmtp_sglang.training.config import TrainConfig, autocast, divergence, resume_mismatches
 from fastmtp_sglang.training.data import (HiddenStates, TrainData, collate, epoch_batches,
                                           file_sha256, load_examples, split_heldout)
@@ -303,7 +304,8 @@ def _announce(run: RunState, fresh: bool) -> None:
     """The start record (a new run only) and the summary line on stderr."""
     cfg, ds = run.cfg, run.data
     if fresh:
-        run.log({"event": "start", "data": str(ds.path), "counts": asdict(ds.counts),
+        # the log ships with a head (bench/ship_head.py): no absolute path of this machine in it
+        run.log({"event": "start", "data": portable_path(ds.path), "counts": asdict(ds.counts),
                  "train": len(ds.train_idx), "heldout": len(ds.held_idx),
                  "optimizer_steps": run.total, "world_size": run.ranks.world, "config": asdict(cfg)})
     if not run.ranks.main:

@@ -64,9 +64,9 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
-from fastmtp_sglang.core.draft_dir import check_tensors, expected_shapes
 from fastmtp_sglang.core.errors import DraftFormatError, FastMTPError
 from fastmtp_sglang.core.head import HeadConfig
+from fastmtp_sglang.models import draft_common
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +82,6 @@ def draft_hf_config(vllm_config: VllmConfig):
                            "speculative_config (method 'eagle'), not as the served model")
     cfg = spec.draft_model_config.hf_config
     return getattr(cfg, "model", None) or cfg
-
-
-def head_config_of(hf_config) -> HeadConfig:
-    """The pure-torch head's config for a vLLM-loaded draft config (layout, block, biases)."""
-    cfg = hf_config.to_dict()
-    if "fastmtp" not in cfg:
-        raise DraftFormatError("the draft's config.json has no 'fastmtp' block: not a FastMTP "
-                               "draft directory (make one with `fastmtp convert` or `init-head`)")
-    return HeadConfig.from_dict(cfg)
 
 
 class _TargetPart(nn.Module):
@@ -114,17 +105,10 @@ class FastMTPAttention(nn.Module):
     def __init__(self, hf_config, cfg: HeadConfig, vllm_config: VllmConfig,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        tp_size = get_tensor_model_parallel_world_size()
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.num_key_value_heads
-        if self.total_num_heads % tp_size or (
-            self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads
-        ):
-            raise ValueError(
-                f"tensor parallel size {tp_size} does not split the draft's "
-                f"{self.total_num_heads} query / {self.total_num_kv_heads} KV heads")
-        self.num_heads = self.total_num_heads // tp_size
-        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.num_heads, self.num_kv_heads = draft_common.split_heads(
+            cfg, get_tensor_model_parallel_world_size(), "tensor parallel size")
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -194,9 +178,7 @@ class FastMTPMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(gate_up))
-        return x
+        return draft_common.mlp_forward(self, x)
 
 
 class FastMTPDecoderLayer(nn.Module):
@@ -216,11 +198,7 @@ class FastMTPDecoderLayer(nn.Module):
         self.self_attn.write_kv(positions, self.input_layernorm(hidden_states))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
-        # fused: residual <- residual + attn_out, hidden <- norm(residual)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return residual + self.mlp(hidden_states)
+        return draft_common.block_forward(self, positions, hidden_states)
 
 
 class FastMTPModel(nn.Module):
@@ -230,7 +208,6 @@ class FastMTPModel(nn.Module):
                  quant_config: QuantizationConfig | None, prefix: str, layer_id: int) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.layout = cfg.layout
         self.embed_tokens = _TargetPart(h, "embedding")
         self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps)
@@ -238,13 +215,7 @@ class FastMTPModel(nn.Module):
         def proj(name: str, n_in: int) -> ReplicatedLinear:  # small: replicated, no collective
             return ReplicatedLinear(n_in, h, bias=False, prefix=maybe_prefix(prefix, name))
 
-        if cfg.layout == "mimo":  # input_proj(cat[hnorm(h), enorm(e)])
-            self.input_proj = proj("input_proj", 2 * h)
-        elif cfg.layout == "deepseek":  # eh_proj(cat[enorm(e), hnorm(h)])
-            self.eh_proj = proj("eh_proj", 2 * h)
-        else:  # split: e_proj(enorm(e)) + h_proj(hnorm(h))
-            self.e_proj = proj("e_proj", h)
-            self.h_proj = proj("h_proj", h)
+        draft_common.add_input_projection(self, cfg.layout, h, proj)
         # The attention layer registers in vLLM's forward context under its prefix, which must
         # not collide with the target's layers and must carry a layer index: layers.{N} with N
         # the target's layer count, as vLLM's own EAGLE heads do.
@@ -254,12 +225,7 @@ class FastMTPModel(nn.Module):
 
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The layout's input projection. hidden, embeds: [T, H] -> [T, H]."""
-        h, e = self.hnorm(hidden), self.enorm(embeds)
-        if self.layout == "mimo":
-            return self.input_proj(torch.cat([h, e], dim=-1))[0]
-        if self.layout == "deepseek":
-            return self.eh_proj(torch.cat([e, h], dim=-1))[0]
-        return self.e_proj(e)[0] + self.h_proj(h)[0]
+        return draft_common.fuse_inputs(self, hidden, embeds)
 
     def forward(self, input_ids: torch.Tensor | None,  # [T]
                 positions: torch.Tensor,  # [T]
@@ -289,20 +255,10 @@ class FastMTPForCausalLM(nn.Module):
     has_own_embed_tokens = False
     has_own_lm_head = False
 
-    # checkpoint shard name -> (fused parameter, shard id): the draft directory stores q/k/v and
-    # gate/up separately (FastMTPHead's names); vLLM fuses them for one GEMM each
-    stacked_params_mapping = [
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    ]
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         self.config = draft_hf_config(vllm_config)
-        self.head_config = cfg = head_config_of(self.config)
+        self.head_config = cfg = draft_common.head_config_of(self.config)
         self.draft_path = vllm_config.speculative_config.model
         quant_config = get_draft_quant_config(vllm_config)
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
@@ -365,29 +321,11 @@ class FastMTPForCausalLM(nn.Module):
         (``draft_dir.expected_shapes``): one ``DraftFormatError`` names every missing,
         unexpected and mis-shaped tensor, before anything is copied. Returns the names of the
         parameters loaded: all of them (the target's embedding and lm_head are not parameters
-        of this module; the proposer binds them after loading).
+        of this module; the proposer binds them after loading). q/k/v and gate/up go into
+        vLLM's fused parameters (``draft_common.STACKED_PARAMS_MAPPING``).
         """
-        tensors = dict(weights)
-        cfg = self.head_config
-        check_tensors(expected_shapes(cfg), {n: tuple(t.shape) for n, t in tensors.items()},
-                      f"the draft weights for a {cfg.layout}/{cfg.block} FastMTP head")
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors.items():
-            target = "model." + name
-            for param_name, shard_name, shard_id in self.stacked_params_mapping:
-                if shard_name in target:
-                    fused = target.replace(shard_name, param_name)
-                    param = params[fused]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(fused)
-                    break
-            else:
-                param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(target)
-        assert loaded == set(params), sorted(set(params) ^ loaded)
-        return loaded
+        return draft_common.load_draft_weights(self, self.head_config, weights,
+                                               default_weight_loader)
 
 
 def resolve_vocab_table(draft_path: str | os.PathLike | None, draft_config: dict,

@@ -1,11 +1,11 @@
 """The demo target's 120 projections of one decode step (30 layers x q/k/v, o, gate/up, down;
 212 MB of bf16 weights, more than the CPU's caches keep warm between steps) at 1..512 rows:
-oneDNN on prepared weights (core/packed_linear.py before AMX tiles) against the AMX kernel of
-core/cpu_amx.py, interleaved, medians; with the read bandwidth measured in the same run.
+oneDNN on prepared weights (cpu_kernels/packed_linear.py before AMX tiles) against the AMX kernel
+of cpu_kernels/amx.py, interleaved, medians; with the read bandwidth measured in the same run.
 Random weights of the demo target's shapes (the time does not depend on the values). Run it on
 an idle machine.
 
-    python bench/cpu_kernels_probe.py --out bench/results/cpu_kernels_probe
+    python bench/probes/cpu_kernels_probe.py --out bench/results/cpu_kernels_probe
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fastmtp_sglang.core import cpu_amx
+from fastmtp_sglang.cpu_kernels import amx
 from fastmtp_sglang.decode.costs import cpu_description, read_bandwidth
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30   # SmolLM2-135M, fused q/k/v, gate/up
@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if not cpu_amx.available():
-        print(f"the AMX kernel is unavailable here: {cpu_amx.unavailable_reason()}")
+    if not amx.available():
+        print(f"the AMX kernel is unavailable here: {amx.unavailable_reason()}")
         return 2
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g).to(torch.bfloat16) for o, i in SHAPES]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
-    tiles = [cpu_amx.pack(w) for w in ws]
+    tiles = [amx.pack(w) for w in ws]
     mb = sum(w.numel() * 2 for w in ws) / 1e6
     rows = {}
     for M in (int(r) for r in args.rows.split(",")):
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_amx():
             for (_, i), w in zip(SHAPES, tiles):
-                cpu_amx.linear(xs[i], w)
+                amx.linear(xs[i], w)
 
         best = {"onednn": [], "amx": []}
         for _ in range(2):  # interleaved: drift hits both

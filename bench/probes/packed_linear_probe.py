@@ -1,10 +1,10 @@
 """Does a weight laid out once for oneDNN pay on this CPU? Times ``F.linear`` against the prepared
-forward of core/packed_linear.py at the demo target's projection shapes (SmolLM2-135M: q/k/v,
+forward of cpu_kernels/packed_linear.py at the demo target's projection shapes (SmolLM2-135M: q/k/v,
 o, gate, up, down, lm_head) for the row counts a cycle uses, and checks the outputs are
 bit-identical. fp32 rows time MKL's packed sgemm for comparison (the engine does not use it).
 Run it on an idle machine:
 
-    python bench/packed_linear_probe.py --out bench/results/packed_linear_probe
+    python bench/probes/packed_linear_probe.py --out bench/results/packed_linear_probe
 
 Each variant's median over ``--repeats`` calls, interleaved and rotated (decode/costs.py: interleaved_ms), with
 the CPU's model and flags; the weight's bytes / the median = the bandwidth the kernel reached.
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fastmtp_sglang.cpu_kernels.packed_linear import _HINT, available
 from fastmtp_sglang.decode.costs import cpu_description, interleaved_ms
-from fastmtp_sglang.core.packed_linear import _HINT, available
 
 H = 576
 SHAPES = {"q": (576, H), "k/v": (192, H), "o": (576, 576), "gate/up": (1536, H), "down": (576, 1536),
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Linear layers on prepared oneDNN weights vs F.linear", "",
           f"`{meta['command']}`; CPU {cpu['model']} ({', '.join(cpu['flags'])}), {cpu['threads']} threads, "
           f"torch {torch.__version__}", "",
-          "bf16: the engine's path (core/packed_linear.py). fp32: MKL's packed sgemm at the exact row "
+          "bf16: the engine's path (cpu_kernels/packed_linear.py). fp32: MKL's packed sgemm at the exact row "
           "count it was packed for (not used: not bit-identical).", "",
           "| dtype | shape | rows | F.linear ms | prepared ms | speedup | GB/s (F / prepared) | max abs diff |",
           "|---|---|---:|---:|---:|---:|---|---:|"]

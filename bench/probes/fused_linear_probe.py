@@ -4,7 +4,7 @@ against one fused matmul, and gate/up as two against one, at the demo target's s
 counts a cycle uses (1 = plain step, K+1 = verify, 16 x (K+1) = a batch of 16). Run it on an
 idle machine:
 
-    python bench/fused_linear_probe.py --out bench/results/fused_linear_probe
+    python bench/probes/fused_linear_probe.py --out bench/results/fused_linear_probe
 
 Each variant's median over ``--repeats`` calls, interleaved and rotated (decode/costs.py: interleaved_ms), with
 the CPU's model and flags; the weights' bytes / the median = the bandwidth the kernel reached.
