@@ -89,8 +89,9 @@ def gated(target, max_context: int = CONTEXT):
 
 def server(engine, **kwargs):
     from fastmtp_sglang.serving.app import ReferenceServer
+    from fastmtp_sglang.serving.options import ServerOptions
 
-    return ReferenceServer(engine, "127.0.0.1", 0, **kwargs)
+    return ReferenceServer(engine, ServerOptions(port=0, **kwargs))
 
 
 def wait_until(cond, what: str = "") -> None:
@@ -232,7 +233,7 @@ def test_a_stream_nobody_reads_is_cut_off_and_aborted(target, monkeypatch, capfd
         class Watched(real_protocol(srv)):
             def pause_writing(self) -> None:  # the client's window and our buffers are full
                 super().pause_writing()
-                eng.hold_at = min(srv.stats.snapshot()["generated_tokens"] + 100, 470)
+                eng.hold_at = min(srv.worker.stats.snapshot()["generated_tokens"] + 100, 470)
 
             def _write_timeout(self) -> None:  # (it fires 0.5 s after the pause)
                 assert eng.held.wait(GUARD_S), "the engine never reached its gate"
@@ -291,7 +292,7 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(target):
                     s.sendall(body)
                     wait_until(lambda: srv.server_info()["requests_in_flight"] == 2, "queued")
                 wait_until(lambda: srv.server_info()["requests_in_flight"] == 1, "aborted")
-                assert len(srv._waiting) == 0, i
+                assert srv.server_info()["queued"] == 0, i
             info = srv.server_info()
             assert info["queued"] == 0 and info["admitted"] == 0, info
             assert info["requests_aborted"] == 50 and info["requests_busy"] == 0, info
@@ -382,17 +383,24 @@ def test_health_generate_is_admitted_like_any_request(target):
     ({"stop_token_ids": list(range(1025))}, "at most 1024"),
     ({"max_new_tokens": 10**400}, "a 401-digit number"),
     ({"max_new_tokens": 65}, "context is 64 tokens"),
+    # a prompt that fits, with a budget that runs past the context: refused as a lone oversized
+    # budget is (it had been served, cut at the context with finish "length" before the budget)
+    ({"max_new_tokens": 63}, "so 62 new tokens fit: lower max_new_tokens to at most 62"),
+    ({}, "is 128 and the prompt has 2 tokens"),  # the default budget, under the same rule
 ])
 def test_request_limits_are_400(target, params, needle):
     with server(gated(target, max_context=64)) as srv:
         status, _, body = raw_request(srv, post("/generate", {"input_ids": [5, 6],
                                                               "sampling_params": params}))
         assert status == 400 and needle in json.loads(body)["error"]["message"], body
-        # at the caps: served (max_new_tokens is cut at the context, as before)
+        # at the caps: served, the whole budget (prompt + max_new_tokens = the context)
         ok = {"stop": [f"s{i}" for i in range(32)], "stop_token_ids": list(range(300, 1024)),
-              "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+              "max_new_tokens": 62, "temperature": 0, "ignore_eos": True}
         out = client.generate(srv.url, input_ids=[5, 6], sampling_params=ok)
         assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+        if out["meta_info"]["finish_reason"]["type"] == "length":
+            assert out["meta_info"]["completion_tokens"] == 62
+        assert srv.server_info()["requests_failed"] == 1
 
 
 def test_stop_strings_are_checked_on_the_tail(target):
@@ -438,7 +446,7 @@ def test_serve_flags_reach_the_server(llama_target):
 
     srv = build_reference_server(args("--write-timeout", "2.5", "--max-connections", "7"))
     try:
-        assert srv.write_timeout_s == 2.5 and srv.server_info()["max_connections"] == 7
+        assert srv.options.write_timeout_s == 2.5 and srv.server_info()["max_connections"] == 7
     finally:
         srv.shutdown()
     with pytest.raises(FastMTPError, match="--max-connections must be >= 1"):

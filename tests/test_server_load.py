@@ -103,10 +103,10 @@ _engine.ReferenceEngine.step = held
 DRAIN_PRELUDE = """
 import os as _dos, threading as _dthreading
 from fastmtp_sglang.serving import worker as _worker
-_begin = _worker.EngineWorker.begin_shutdown
+_begin = _worker.EngineWorker.drain
 
 def _begin_shutdown(self):
-    first = not self._draining
+    first = not self.draining
     _begin(self)
     timer = self._abort_timer
     if first and timer is not None:
@@ -119,7 +119,7 @@ def _begin_shutdown(self):
             timer.function(*timer.args, **timer.kwargs)
         _dthreading.Thread(target=expire, name="fastmtp-drain-flag", daemon=True).start()
 
-_worker.EngineWorker.begin_shutdown = _begin_shutdown
+_worker.EngineWorker.drain = _begin_shutdown
 """
 
 

@@ -47,10 +47,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def random_head(out, target_config: dict, layout: str, seed: int, dtype: str = "float32",
-                tables: bool = False):
+                tables: bool = False, base: str = "org/tiny-target"):
     cfg = make_draft_config(target_config, layout, dtype=dtype, trained_steps=4,
                             step_weights=[0.46, 0.28, 0.17, 0.1],
-                            base_model={"name": "tiny-target", "config_sha256": "0" * 16},
+                            base_model={"name": base, "config_sha256": "0" * 16},
                             vocab_tables=["tables/en-16.pt", "builtin:smollm2/zh-4096"] if tables else None)
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -146,6 +146,32 @@ def test_bad_input(deepseek_ckpt, qwen2_target, tmp_path, run_cli):
     rc, _, err = run_cli("convert", spec, tmp_path / "c")
     assert rc == 1 and "missing: mtp_layers.0.mlp.up_proj.weight" in err
     assert not any((tmp_path / x).exists() for x in "abcd")
+
+
+def test_the_verifier_recorded_is_one_vllm_can_load(deepseek_ckpt, tmp_path, run_cli,
+                                                    monkeypatch):
+    """Without --verifier the head's recorded base model is written only when it resolves: a
+    model directory here (as an absolute path) or a hub id. A bare name (a directory's last
+    component, as a target loaded from ./models/x records "x") is refused with what to pass, and
+    nothing is written; so is a --verifier that is neither."""
+    bare = random_head(tmp_path / "bare", deepseek_ckpt.config, "deepseek", seed=5, base="x")
+    err = _one_line(run_cli, "export", "--speculators", bare, tmp_path / "out")
+    assert "records its base model only as 'x'" in err and "pass --verifier" in err
+    err = _one_line(run_cli, "export", "--speculators", bare, tmp_path / "out", "--verifier", "y")
+    assert "--verifier y: no model directory" in err and "hub id" in err
+    assert not (tmp_path / "out").exists()
+    rc, _, err = run_cli("export", "--speculators", bare, tmp_path / "out", "--verifier",
+                         "org/real-target")
+    assert rc == 0, err
+    v = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert v["name_or_path"] == "org/real-target"
+    # a recorded local directory, relative to here: written absolute (vLLM may start elsewhere)
+    monkeypatch.chdir(deepseek_ckpt.path.parent)
+    local = random_head(tmp_path / "local", deepseek_ckpt.config, "deepseek", seed=6,
+                        base=deepseek_ckpt.path.name)
+    spec = sf.export_speculators(local, tmp_path / "spec")
+    v = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]
+    assert os.path.isabs(v["name_or_path"]) and deepseek_ckpt.path.samefile(v["name_or_path"])
 
 
 # ------------------------------------------------------------------------------------------------

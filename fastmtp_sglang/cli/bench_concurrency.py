@@ -43,6 +43,7 @@ def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool
     from fastmtp_sglang.benchmark.concurrency import closed_loop
     from fastmtp_sglang.benchmark.sweep import arm_key, build_engines
     from fastmtp_sglang.serving.app import ReferenceServer
+    from fastmtp_sglang.serving.options import ServerOptions
 
     target, head, prompts, vocab = load(args, cfg)
     engines = build_engines(target, head, cfg, draft_vocab=vocab, progress=progress,
@@ -55,7 +56,7 @@ def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool
         extra["auto_cycle_ms_by_batch"] = {str(lv): [round(auto.costs.cycle_ms(k, lv), 2)
                                                      for k in range(auto.kmax + 1)] for lv in levels}
     for (drafter, k), eng in engines.items():
-        srv = ReferenceServer(eng, "127.0.0.1", 0, max_batch=top, max_queue=4 * top + 16)
+        srv = ReferenceServer(eng, ServerOptions(port=0, max_batch=top, max_queue=4 * top + 16))
         srv.start(engine_thread=False)  # the engine runs on this (the main) thread: drive()
         servers.append(srv)
 

@@ -4,6 +4,7 @@ docstring is the help), and SIGTERM stopping a run the way Ctrl-C does."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +14,12 @@ from fastmtp_sglang.training import distill as lib
 from fastmtp_sglang.training.distill import DistillConfig, distill
 from fastmtp_sglang.training.distill_drivers import MAX_BACKOFF_S
 from fastmtp_sglang.training.distill_io import stats_path
+
+
+# flags whose default is DistillConfig's field of the same name
+_FLAG_DEFAULTS = ("batch_size", "dtype", "n", "temperature", "top_p", "top_k", "max_new_tokens",
+                  "concurrency", "feature_dtype", "max_len", "retries", "backoff", "timeout",
+                  "seed", "max_repeat_fraction")
 
 
 def _stop_on_sigterm() -> None:
@@ -75,12 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "one with the fewest in flight; a router in front of many is one --url)")
     src.add_argument("--target", help="generate in this process from this model directory "
                      "(continuous batching on CPU; no server)")
-    p.add_argument("--batch-size", type=int, default=64, help="with --target: rows decoded "
-                   "together (default 64; 2-core CPU, 135M model: 224 response tokens/s, 22x batch 1; "
-                   "128 is no faster; bench/results/distill_throughput)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16", "auto"),
-                   help="with --target: model dtype (default bfloat16; auto = bfloat16 on CPUs with bf16 "
-                        "units or CUDA, float32 elsewhere)")
+    p.add_argument("--batch-size", type=int, help="with --target: rows decoded together "
+                   "(default %(default)s; 2-core CPU, 135M model: 224 response tokens/s, 22x "
+                   "batch 1; 128 is no faster; bench/results/distill_throughput)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16", "auto"),
+                   help="with --target: model dtype (default %(default)s; auto = bfloat16 on "
+                        "CPUs with bf16 units or CUDA, float32 elsewhere)")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="prompt files (JSONL: training {id, source, prompt}, Spec-Bench, C-Eval, "
                         "{prompt|text})")
@@ -89,17 +96,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "template (default: the server's tokenizer_path, if a local directory)")
     p.add_argument("--target-name", default=None, help="the target's identity written to each line "
                    "(default: the server's model_path)")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
-    p.add_argument("--temperature", type=_temperatures, default=0.6,
-                   help="sampling temperature; 0 = greedy. A comma-separated list gives one per "
-                        "sample index: sample k of a prompt uses item k mod its length (e.g. "
+    p.add_argument("--n", type=int, help="samples per prompt (default %(default)s)")
+    p.add_argument("--temperature", type=_temperatures,
+                   help="sampling temperature (default %(default)s); 0 = greedy. A "
+                        "comma-separated list gives one per sample index: sample k of a prompt "
+                        "uses item k mod its length (e.g. "
                         "--n 8 --temperature 0.6,0.6,0.6,0.6,0.8,1.0,0,0.9: one greedy answer per "
                         "prompt, the rest sampled)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=int, default=20, help="top-k tokens; -1 = off")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit in tokens")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="with --url: requests in flight per server (default 8)")
+    p.add_argument("--top-p", type=float,
+                   help="nucleus mass in (0, 1] (default %(default)s); 1 = off")
+    p.add_argument("--top-k", type=int, help="top-k tokens (default %(default)s); -1 = off")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="response length limit in tokens (default %(default)s)")
+    p.add_argument("--concurrency", type=int,
+                   help="with --url: requests in flight per server (default %(default)s)")
     p.add_argument("--with-features", default=None, metavar="DIR",
                    help="also keep the target's hidden states as the feature cache DIR for "
                    "`fastmtp train --features DIR`, in the same pass: with --target the engine's "
@@ -111,18 +121,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--feature-topk", type=int, default=None,
                    help="with --with-features and --target: top-k log-probabilities kept per "
                    "token, for --loss kl (default 32; with --url 0: servers return none)")
-    p.add_argument("--feature-dtype", default="bfloat16",
-                   choices=("bfloat16", "float16", "float32"),
+    p.add_argument("--feature-dtype", choices=("bfloat16", "float16", "float32"),
                    help="with --with-features: dtype of the stored hidden states (default "
-                   "bfloat16, as `fastmtp features`)")
-    p.add_argument("--max-len", type=int, default=1024,
+                   "%(default)s, as `fastmtp features`)")
+    p.add_argument("--max-len", type=int,
                    help="with --with-features: tokens per sequence, as `train --max-len` (default "
-                   "1024; the cache is opened only by a run with the same value)")
-    p.add_argument("--retries", type=int, default=4,
-                   help="retries per request on connection errors, timeouts and 5xx; 0 = none")
-    p.add_argument("--backoff", type=float, default=1.0,
-                   help=f"first retry delay in seconds, doubling after each (max {MAX_BACKOFF_S:g} s)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+                   "%(default)s; the cache is opened only by a run with the same value)")
+    p.add_argument("--retries", type=int,
+                   help="retries per request on connection errors, timeouts and 5xx (default "
+                   "%(default)s); 0 = none")
+    p.add_argument("--backoff", type=float,
+                   help=f"first retry delay in seconds, doubling after each (default %(default)s; "
+                   f"max {MAX_BACKOFF_S:g} s)")
+    p.add_argument("--timeout", type=float, help="seconds per request (default %(default)s)")
     p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
                    help="evaluation files: prompts overlapping their texts are refused (the "
                    "shipped ones: python -m fastmtp_sglang.cli.prompt_files)")
@@ -131,9 +142,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts (after --exclude)")
     p.add_argument("--system", default=None, help="system message before each prompt "
                    "(default: the chat template's own)")
-    p.add_argument("--seed", type=int, default=0, help="base of the per-sample sampling seeds")
-    p.add_argument("--max-repeat-fraction", type=float, default=0.5,
+    p.add_argument("--seed", type=int,
+                   help="base of the per-sample sampling seeds (default %(default)s)")
+    p.add_argument("--max-repeat-fraction", type=float,
                    help="drop a response when one repeated n-gram covers more than this fraction "
-                        "of its tokens; 1 = off")
+                        "of its tokens (default %(default)s); 1 = off")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    # the defaults are DistillConfig's (one spelling; its __post_init__ checks the values)
+    p.set_defaults(func=run, **{f.name: f.default for f in dataclasses.fields(DistillConfig)
+                                if f.name in _FLAG_DEFAULTS})

@@ -59,8 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--speculators: the speculators algorithm (0.9.0 has one MTP algorithm, "
                    "mtp, trained FastMTP-style)")
     p.add_argument("--verifier", default=None,
-                   help="--speculators: the target's checkpoint directory or hub name (default: "
-                   "the base model HEAD records); a directory's config.json gives the architectures")
+                   help="--speculators: the target's checkpoint directory or hub id (org/name) "
+                   "that vLLM loads as the verifier (default: the base model HEAD records, when it "
+                   "is one of those; a bare name is refused); a directory's config.json gives the "
+                   "architectures")
     p.add_argument("--steps", type=int, default=None,
                    help="--speculators: speculative tokens per cycle (default: HEAD's trained "
                    "steps, else 3)")

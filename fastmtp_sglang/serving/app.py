@@ -4,9 +4,11 @@ Run it with ``fastmtp serve --engine reference --target T --draft D --steps K --
 
 This module is the HTTP side: the FastAPI app and its routes and streaming responses, on uvicorn
 with our h11 protocol, listening socket and signal handling (serving/http_transport.py: a header
-timeout on every request of a connection, a connection limit, a write timeout). ``ReferenceServer`` is
-the engine worker (fastmtp_sglang.serving.worker: queue, batching, abort, info) with this in
-front of it; the API, its fields and its errors are described in fastmtp_sglang.serving.protocol.
+timeout on every request of a connection, a connection limit, a write timeout). ``ReferenceServer``
+holds an engine worker (fastmtp_sglang.serving.worker: queue, batching, abort, info) and puts this
+in front of it, through the worker's public methods only; its options (limits, host, port) are one
+``ServerOptions`` (fastmtp_sglang.serving.options). The API, its fields and its errors are
+described in fastmtp_sglang.serving.protocol.
 
 Concurrency: the HTTP side is FastAPI on uvicorn (SGLang's own HTTP stack): one event loop, so a
 slow or stalled client holds a socket, not a thread. What a hostile client can hold is bounded:
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,9 +47,9 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from fastmtp_sglang.decode.sampling import SamplingParams
+from fastmtp_sglang.serving.options import ServerOptions
 from fastmtp_sglang.serving.protocol import (
-    ABORT_BODY_BYTES, BACKLOG, DISCARD_BYTES, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_QUEUE,
-    READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WRITE_TIMEOUT_S, BadRequest, GenerateInput, HTTPError)
+    ABORT_BODY_BYTES, DISCARD_BYTES, BadRequest, GenerateInput, HTTPError)
 from fastmtp_sglang.serving.http_transport import CLOSE_REASON, listen, make_uvicorn
 from fastmtp_sglang.serving.worker import STOP_WORKER_S, EngineWorker
 
@@ -58,46 +61,41 @@ if TYPE_CHECKING:
 # the server
 # ----------------------------------------------------------------------------------------------
 
-class ReferenceServer(EngineWorker):
-    """HTTP front end (FastAPI on uvicorn) and batching worker (``EngineWorker``) around one
-    ``ReferenceEngine``.
+class ReferenceServer:
+    """HTTP front end (FastAPI on uvicorn) over a batching worker (``EngineWorker``, held as
+    ``worker``) around one ``ReferenceEngine``.
 
     Parameters
     ----------
-    host, port : where to listen; port 0 picks a free port (see ``url``). The socket is bound
-        here, so a taken port raises OSError from the constructor.
-    write_timeout_s : a connection whose client leaves what was sent unread this long (the
-        send buffer stays full) is closed, and its request aborted
-    max_connections : connections open at once; one more is answered 503 as it opens
-    engine and the other keyword arguments : as
-        :class:`fastmtp_sglang.serving.worker.EngineWorker`
+    engine : the ReferenceEngine to serve (see :class:`~fastmtp_sglang.serving.worker.EngineWorker`)
+    options : ServerOptions (fastmtp_sglang.serving.options): where to listen (``port`` 0 picks
+        a free port, see ``url``) and every limit; the socket is bound here, so a taken port
+        raises OSError from the constructor
+    model_path, draft_path : reported by /server_info and /get_model_info
+    sock : a socket already listening (``load_reference_server`` binds it before the weights
+        load); None: bind ``options.host``:``options.port`` here
     """
 
-    def __init__(self, engine, host: str = "127.0.0.1", port: int = 30000, *,
-                 model_path: str = "", draft_path: str | None = None, max_batch: int = 8,
-                 batch_window_s: float = 0.0, log_requests: bool = False,
-                 max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S,
-                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, backlog: int = BACKLOG,
-                 write_timeout_s: float = WRITE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS,
-                 enable_return_hidden_states: bool = False):
-        for name, value, low in (("write_timeout_s", write_timeout_s, 1e-3),
-                                 ("max_connections", max_connections, 1)):
-            if not value >= low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        self.write_timeout_s, self.max_connections = write_timeout_s, max_connections
-        self._receiving = 0  # /generate bodies being read (event loop only)
-        super().__init__(engine, model_path=model_path, draft_path=draft_path, max_batch=max_batch,
-                         batch_window_s=batch_window_s, log_requests=log_requests,
-                         max_queue=max_queue, max_body_bytes=max_body_bytes,
-                         read_timeout_s=read_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
-                         enable_return_hidden_states=enable_return_hidden_states)
-        self._sock = listen(host, port, backlog)
-        self._backlog = backlog
+    def __init__(self, engine, options: ServerOptions | None = None, *,
+                 model_path: str = "", draft_path: str | None = None,
+                 sock: socket.socket | None = None):
+        self.options = options if options is not None else ServerOptions()
+        self.worker = EngineWorker(engine, self.options, model_path=model_path,
+                                   draft_path=draft_path)
+        self.receiving = 0  # /generate bodies being read (event loop only)
+        try:
+            self._sock = sock or listen(self.options.host, self.options.port, self.options.backlog)
+        except OSError:
+            self.worker.close()
+            raise
         self.app = _build_app(self)
         self._uv: Any = None  # uvicorn.Server, once serving
         self._http_thread: threading.Thread | None = None
+
+    @property
+    def engine(self):
+        """The engine the worker runs."""
+        return self.worker.engine
 
     @property
     def url(self) -> str:
@@ -110,7 +108,7 @@ class ReferenceServer(EngineWorker):
         listening. ``engine_thread=False``: HTTP only, the caller drives the engine on its own
         thread with ``drive`` (PyTorch runs fastest on the main thread)."""
         if engine_thread:
-            self._start_worker()
+            self.worker.start()
         self._uv = make_uvicorn(self)
         self._http_thread = threading.Thread(
             target=lambda: asyncio.run(self._uv.serve(sockets=[self._sock])),
@@ -142,7 +140,7 @@ class ReferenceServer(EngineWorker):
         engine_done = threading.Event()
         http_died: list[bool] = []
 
-        def close_after_http() -> None:  # then _work below sees _stop and returns
+        def close_after_http() -> None:  # then the worker's run() below returns
             self._http_thread.join()
             if not self._uv.should_exit:
                 http_died.append(True)
@@ -159,7 +157,7 @@ class ReferenceServer(EngineWorker):
         self._http_thread.start()
         closer.start()
         try:
-            self._work()
+            self.worker.run()
         finally:
             engine_done.set()
             for s, handler in original.items():
@@ -171,7 +169,7 @@ class ReferenceServer(EngineWorker):
         """Run ``fn()`` on a helper thread while this thread runs the engine loop (a server
         started with ``start(engine_thread=False)``); returns what ``fn`` returned once every
         request it sent is answered, re-raising its exception."""
-        if self._worker.is_alive():
+        if self.worker.alive:
             raise RuntimeError("drive() needs a server started with start(engine_thread=False)")
         done, box = threading.Event(), {}
 
@@ -182,12 +180,11 @@ class ReferenceServer(EngineWorker):
                 box["error"] = exc
             finally:
                 done.set()
-                with self._cond:
-                    self._cond.notify_all()
+                self.worker.wake()
 
         helper = threading.Thread(target=run, name="fastmtp-drive", daemon=True)
         helper.start()
-        self._work(until=done)
+        self.worker.run(until=done)
         helper.join()
         if "error" in box:
             raise box["error"]
@@ -206,20 +203,28 @@ class ReferenceServer(EngineWorker):
             self._http_thread = None
         self._close()
 
+    def _close(self) -> bool:
+        """After HTTP has stopped: the worker aborts what is left and stops; the socket closes."""
+        stopped = self.worker.close()
+        self._sock.close()
+        return stopped
+
     def __enter__(self) -> "ReferenceServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _release(self) -> None:
-        self._sock.close()
-
     def server_info(self) -> dict[str, Any]:
-        info = super().server_info()
+        """The worker's /server_info, with the HTTP side's limits and state."""
+        info = self.worker.server_info()
         state = getattr(self._uv, "server_state", None)
         info.update(connections=len(state.connections) if state is not None else 0,
-                    max_connections=self.max_connections, receiving=self._receiving)
+                    max_connections=self.options.max_connections,
+                    max_body_bytes=self.options.max_body_bytes,
+                    read_timeout_s=self.options.read_timeout_s,
+                    write_timeout_s=self.options.write_timeout_s,
+                    receiving=self.receiving)
         return info
 
 
@@ -262,6 +267,7 @@ def _event_bytes(obj: Any) -> bytes:
 
 
 def _build_app(srv: ReferenceServer) -> FastAPI:
+    worker, opts = srv.worker, srv.options
     app = FastAPI(title="fastmtp reference server", docs_url=None, redoc_url=None,
                   openapi_url=None)
     get_routes = {"/health", "/health_generate", "/server_info", "/get_server_info",
@@ -270,7 +276,7 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
 
     async def discard_body(request: HTTPRequest) -> None:
         with contextlib.suppress(TimeoutError, ClientDisconnect):
-            async with asyncio.timeout(srv.read_timeout_s):
+            async with asyncio.timeout(opts.read_timeout_s):
                 async for _ in request.stream():
                     pass
 
@@ -278,8 +284,9 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
         length = request.headers.get("content-length")
         if length is not None:
             if not length.isdigit():
-                raise HTTPError(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number")
+                raise BadRequest(f"Content-Length {length!r} is not a number")
             if int(length) > limit:
+                worker.stats.add(bodies_too_large=1)
                 if int(length) <= DISCARD_BYTES and "100-continue" not in request.headers.get(
                         "expect", "").lower():
                     # a client that sends its whole body before reading (urllib, requests) sees
@@ -290,24 +297,26 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
                                 f"{limit} (fastmtp serve --max-body-mb)", {"Connection": "close"})
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(srv.read_timeout_s):
+            async with asyncio.timeout(opts.read_timeout_s):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
+                        worker.stats.add(bodies_too_large=1)
                         raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                         f"the body is over {limit} bytes, this server's limit "
                                         "(fastmtp serve --max-body-mb)", {"Connection": "close"})
                     chunks.append(chunk)
         except TimeoutError:
+            worker.stats.add(body_timeouts=1)
             raise HTTPError(HTTPStatus.REQUEST_TIMEOUT,
-                            f"the request body did not arrive within {srv.read_timeout_s:g} s "
+                            f"the request body did not arrive within {opts.read_timeout_s:g} s "
                             f"(got {size} of {length if length is not None else '?'} bytes)",
                             {"Connection": "close"}) from None
         return b"".join(chunks)
 
     @app.get("/health")
     async def health():
-        if srv._draining:
+        if worker.draining:
             return _error_response(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
         return Response(b"OK", media_type="text/plain")
 
@@ -318,19 +327,19 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
 
     @app.get("/get_model_info")
     async def model_info():
-        return _json_response(200, srv.model_info())
+        return _json_response(200, worker.model_info())
 
     @app.get("/health_generate")
     async def health_generate():
-        tok = srv.tokenizer
+        tok = worker.tokenizer
         first = getattr(tok, "bos_token_id", None) if tok is not None else None
         inp = GenerateInput(None, [first if first is not None else 0],
                             SamplingParams(max_new_tokens=1), False, "health-" + uuid.uuid4().hex)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         slot = None
         try:  # admitted like any request: a full queue is 503 here too
-            slot = srv.admit()
-            srv.submit(inp, inp.input_ids, _emitter(loop, queue), slot, internal=True)
+            slot = worker.admit()
+            worker.submit(inp, inp.input_ids, _emitter(loop, queue), slot, internal=True)
         except HTTPError as exc:
             if slot is not None:
                 slot.release()
@@ -365,28 +374,28 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
             return _error_response(exc.status, exc.message, exc.headers)
         except ClientDisconnect:
             return Response(status_code=499)
-        n = srv.abort_all() if abort_all else srv.abort_rid(rid)
+        n = worker.abort_all() if abort_all else worker.abort_rid(rid)
         return _json_response(200, {"aborted": n})  # SGLang answers 200 whether or not it found it
 
     @app.post("/generate")
     async def generate(request: HTTPRequest):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         slot = None
-        srv._receiving += 1
+        srv.receiving += 1
         try:
             try:
-                body = await read_body(request, srv.max_body_bytes)
+                body = await read_body(request, opts.max_body_bytes)
             finally:
-                srv._receiving -= 1
+                srv.receiving -= 1
             # a place in the queue once the body is here: clients still sending (or stalled
             # half-way, up to read_timeout_s) hold a connection, never a place
-            slot = srv.admit()
-            inp, ids = await loop.run_in_executor(srv._prep, srv.prepare, body)
-            job = srv.submit(inp, ids, _emitter(loop, queue), slot)
+            slot = worker.admit()
+            inp, ids = await asyncio.wrap_future(worker.prepare_soon(body))
+            job = worker.submit(inp, ids, _emitter(loop, queue), slot)
         except BadRequest as exc:
             if slot is not None:
                 slot.release()
-            srv.stats.add(failed=1)
+            worker.stats.add(failed=1)
             return _error_response(HTTPStatus.BAD_REQUEST, str(exc))
         except HTTPError as exc:
             if slot is not None:
@@ -407,7 +416,7 @@ def _build_app(srv: ReferenceServer) -> FastAPI:
             while True:
                 event = await _next_event(queue, gone)
                 if event is None:
-                    srv.abort(job, "the client disconnected")
+                    worker.abort(job, "the client disconnected")
                     return Response(status_code=499)
                 kind, payload = event
                 if kind == "done":
@@ -473,7 +482,7 @@ def _aborted_response(srv: ReferenceServer, status: int, partial: dict[str, Any]
         return _json_response(200, partial)
     message = partial["meta_info"]["finish_reason"]["message"]
     return _error_response(status, f"{message}; the request was not finished: retry it",
-                           {"Retry-After": str(srv.retry_after_s())})
+                           {"Retry-After": str(srv.worker.retry_after_s())})
 
 
 
@@ -499,7 +508,7 @@ class _EventStream(Response):
             gone.cancel()
             if not self.job.closed:
                 reason = (scope.get("state") or {}).get(CLOSE_REASON, "the client disconnected")
-                self.srv.abort(self.job, reason)
+                self.srv.worker.abort(self.job, reason)
 
     async def _run(self, send, gone: asyncio.Future) -> None:
         started = False
@@ -525,7 +534,7 @@ class _EventStream(Response):
                 started = True
             out = []
             if saw_chunk and final is None:
-                chunk = self.srv.stream_chunk(self.job)
+                chunk = self.srv.worker.stream_chunk(self.job)
                 if chunk is not None:
                     out.append(_event_bytes(chunk))
             if final is not None:

@@ -1,6 +1,7 @@
 """The reference server's transport: uvicorn with our h11 protocol, the listening socket and the
 stop signals (serving/app.py is the HTTP side above it: routes and streams). ``srv`` below is
-app.ReferenceServer (its limits, stats and drain), not imported here: app imports this module.
+app.ReferenceServer (its ``options``, and its ``worker``'s stats, drain and aborts), not imported
+here: app imports this module.
 
 What a hostile client can hold is bounded here: connections past ``max_connections`` are answered
 503 as they open; a request's headers must arrive within ``read_timeout_s`` on every request of
@@ -66,7 +67,8 @@ def h11_protocol(srv: Any):
     """
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    header_s, write_s, limit = srv.read_timeout_s, srv.write_timeout_s, srv.max_connections
+    opts, worker = srv.options, srv.worker
+    header_s, write_s, limit = opts.read_timeout_s, opts.write_timeout_s, opts.max_connections
 
     class Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -92,7 +94,7 @@ def h11_protocol(srv: Any):
                                                          and not cycle.response_complete):
                 return  # gone, or a request came (its response re-arms the timer)
             if not self.transport.is_closing():
-                srv.stats.add(header_timeouts=1)
+                worker.stats.add(header_timeouts=1)
             if self.transport.is_closing() or self.transport.get_write_buffer_size():
                 self.transport.abort()  # (a close waits for a client that may never read)
             else:
@@ -106,10 +108,10 @@ def h11_protocol(srv: Any):
         def _refuse(self) -> None:
             self._refused = True
             self.connections.discard(self)  # not counted: it is on its way out
-            srv.stats.add(connections_refused=1)
+            worker.stats.add(connections_refused=1)
             self.transport.write(refusal_bytes(
                 f"the server has {limit} connections open (its limit, max_connections); retry "
-                "later", srv.retry_after_s()))
+                "later", worker.retry_after_s()))
             self.transport.write_eof()
             # read (and drop) what the client sends until it closes, for a moment at most
             self._header_timer = self.loop.call_later(min(header_s, 2.0), self.transport.abort)
@@ -135,7 +137,7 @@ def h11_protocol(srv: Any):
                 return
             reason = (f"the client left what was sent unread for {write_s:g} s (write timeout); "
                       "connection closed")
-            srv.stats.add(write_timeouts=1)
+            worker.stats.add(write_timeouts=1)
             what = ""
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.scope.setdefault("state", {})[CLOSE_REASON] = reason
@@ -188,7 +190,7 @@ def make_uvicorn(srv: Any):
             if self.signals:
                 print(f"fastmtp serve: {signal.Signals(self.signals[0]).name}: no new connections",
                       file=sys.stderr, flush=True)
-            srv.begin_shutdown()
+            srv.worker.drain()
             watcher = asyncio.ensure_future(self._second_signal())
             try:
                 await super().shutdown(sockets)
@@ -198,13 +200,13 @@ def make_uvicorn(srv: Any):
         async def _second_signal(self) -> None:
             while len(self.signals) < 2:
                 await asyncio.sleep(0.1)
-            srv.abort_all("the server is stopping now (second stop signal)",
+            srv.worker.abort_all("the server is stopping now (second stop signal)",
                           HTTPStatus.SERVICE_UNAVAILABLE)
 
     config = uvicorn.Config(
         srv.app, http=h11_protocol(srv), loop="asyncio", lifespan="off",
-        log_level="warning", access_log=False, backlog=srv._backlog,
+        log_level="warning", access_log=False, backlog=srv.options.backlog,
         # a safety net only: our own abort answers everything after shutdown_timeout_s, and a
         # body read ends after read_timeout_s
-        timeout_graceful_shutdown=srv.shutdown_timeout_s + srv.read_timeout_s + 5)
+        timeout_graceful_shutdown=srv.options.shutdown_timeout_s + srv.options.read_timeout_s + 5)
     return Server(config)

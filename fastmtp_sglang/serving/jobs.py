@@ -19,16 +19,17 @@ from fastmtp_sglang.serving.protocol import GenerateInput
 # ----------------------------------------------------------------------------------------------
 
 class _Slot:
-    """One place in the bounded queue; released once, by whoever gets there first."""
+    """One place in the bounded queue; released once, by whoever gets there first (``free``:
+    the queue's own bookkeeping, called at that release)."""
 
-    def __init__(self, server: Any):  # the EngineWorker whose queue it is (its _cond, _admitted)
-        self._server, self._held = server, True
+    def __init__(self, free: Callable[[], None]):
+        self._free, self._held, self._lock = free, True, threading.Lock()
 
     def release(self) -> None:
-        with self._server._cond:
-            if self._held:
-                self._held = False
-                self._server._admitted -= 1
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._free()
 
 
 @dataclass(eq=False)
@@ -91,6 +92,8 @@ class ServerStats:
         self.connections_refused = 0  # over max_connections: 503 as they opened
         self.header_timeouts = 0     # connections closed waiting for a request's headers
         self.write_timeouts = 0      # connections cut off: the client left what was sent unread
+        self.body_timeouts = 0       # 408: a request body that did not arrive within read_timeout_s
+        self.bodies_too_large = 0    # 413: a body over max_body_bytes
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -129,6 +132,8 @@ class ServerStats:
                 "connections_refused": self.connections_refused,
                 "header_timeouts": self.header_timeouts,
                 "write_timeouts": self.write_timeouts,
+                "body_timeouts": self.body_timeouts,
+                "bodies_too_large": self.bodies_too_large,
             }
 
 

@@ -20,7 +20,8 @@ from fastmtp_sglang.core.errors import FastMTPError
 
 __all__ = ["FULL_VOCAB", "exec_child", "flag_name", "format_command", "local_or_id",
            "print_command", "read_fastmtp_config", "refuse_owned_flags", "require_draft",
-           "require_steps", "run_child", "table_env_ref", "wants_tables", "wait_for_health"]
+           "require_free_port", "require_steps", "require_target", "run_child", "table_env_ref",
+           "wants_tables", "wait_for_health"]
 
 FULL_VOCAB = ("none", "full")  # --vocab values meaning the full vocabulary
 
@@ -33,6 +34,47 @@ def local_or_id(path: str | os.PathLike) -> str:
     """Absolute path when it exists here (the server may start elsewhere), else as given (a hub id)."""
     p = Path(path).expanduser()
     return str(p.resolve()) if p.exists() else str(path)
+
+
+def require_target(target: str | os.PathLike) -> None:
+    """Refuse, before anything starts, a ``--target`` written as a local path (absolute, ``.``,
+    ``~``, or more than one ``/``) that does not exist; ``org/name`` and ``name`` may be hub ids,
+    which SGLang and vLLM fetch themselves."""
+    text = str(target)
+    p = Path(text).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise FastMTPError(f"--target {text} is a file; give the model's directory (its "
+                               "config.json, weights and tokenizer)")
+        return
+    if p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
+        raise FastMTPError(f"--target {text}: no such directory; give a local model directory "
+                           "or a hub id (org/name)")
+
+
+def require_free_port(host: str, port: int) -> None:
+    """Refuse, before a server loads anything, a port something here already listens on (the
+    engine would otherwise find out after minutes of loading weights)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise FastMTPError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what "
+                               "holds it, or pick another --port") from None
+
+
+def preflight(target: str | os.PathLike, host: str, port: int) -> None:
+    """What SGLang and vLLM would find out only after loading: a local ``--target`` that does not
+    exist, a port out of range or already taken (0 = any free port)."""
+    require_target(target)
+    if not 0 <= port <= 65535:
+        raise FastMTPError(f"--port must be in 0..65535, got {port}")
+    if port:
+        require_free_port(host, port)
 
 
 def require_steps(steps: int) -> None:

