@@ -27,7 +27,20 @@ SGLANG_TESTS := tests/test_sglang_versions.py tests/test_sglang_model.py tests/t
 	tests/test_export_native.py tests/test_sglang_hidden_states.py tests/test_engine_config.py \
 	tests/test_server.py::test_serve_steps_auto_reference_and_sglang_flags
 
-.PHONY: setup demo test test-slow test-sglang-0517 clean-venv
+# The newest transformers pyproject.toml admits (its cap), with the newest `kernels`, which that
+# transformers imports: an overlay venv over .venv (its site-packages added with site.addsitedir;
+# the two and their own dependencies installed on top). Python started at the repository root must
+# import PyPI's `kernels`, not our top-level kernels/ folder (tests/test_repo_root_imports.py), and
+# the suites that run transformers' model and cache code must pass. CI runs it.
+NEWEST_TRANSFORMERS ?= 5.25.0
+NEWEST_KERNELS ?= 0.19.1
+NEW_VENV ?= .venv-newest-transformers
+NEWEST_TESTS := tests/test_repo_root_imports.py tests/test_engine.py tests/test_head.py \
+	tests/test_lean_forward.py tests/test_lean_head.py tests/test_demo_target.py tests/test_convert.py \
+	tests/test_slot_cache.py tests/test_attention.py tests/test_costs.py tests/test_vocab.py \
+	tests/test_train.py tests/test_auto.py tests/test_features.py tests/test_continuous.py
+
+.PHONY: setup demo test test-slow test-sglang-0517 test-newest-transformers clean-venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -62,4 +75,15 @@ test-sglang-0517: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
 
 clean-venv:
-	rm -rf $(VENV) $(OLD_VENV)
+	rm -rf $(VENV) $(OLD_VENV) $(NEW_VENV)
+
+test-newest-transformers: $(STAMP)
+	rm -rf $(NEW_VENV)
+	$(BIN)/python -m venv $(NEW_VENV)
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(NEW_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fastmtp-main-venv.pth"
+	# (pip warns that sglang pins older ones: sglang's own tests do not run here)
+	$(NEW_VENV)/bin/pip install -q "transformers==$(NEWEST_TRANSFORMERS)" "kernels==$(NEWEST_KERNELS)"
+	$(NEW_VENV)/bin/python -c "import importlib.metadata as m; \
+		assert m.version('transformers') == '$(NEWEST_TRANSFORMERS)' and m.version('kernels') == '$(NEWEST_KERNELS)'"
+	$(NEW_VENV)/bin/python -m pytest -q $(NEWEST_TESTS)

@@ -66,7 +66,8 @@ class DynamicLayerRef:
         return self.layer.update(k, v)
 
     def crop(self, n):
-        self.layer.crop(n)
+        # n > 0 keeps the first n tokens; transformers >= 5.25 takes only the count to drop (< 0)
+        self.layer.crop(n - self.layer.get_seq_length() if n > 0 else n)
 
     def get_seq_length(self):
         return self.layer.get_seq_length()
