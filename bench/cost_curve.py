@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                    "transformers' forward (' transformers forward': without decode/lean_forward.py), then "
                    "without fused projections (' unfused') and with transformers' own DynamicCache, sdpa "
                    "attention and F.linear (' stock': the engine before decode/slot_cache.py and "
-                   "core/packed_linear.py)")
+                   "cpu_kernels/packed_linear.py)")
     p.add_argument("--sampled", action="store_true", help="also time the plain step and the draft "
                    "step when the request samples at temperature 1 (the token drawn, the draft's q "
                    "built), beside the greedy ones in the same interleaved rounds")

@@ -8,6 +8,7 @@ import json
 import torch
 
 from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
+from fastmtp_sglang.decode.auto_setup import AUTO_CEILING
 
 
 def _random_draft(llama_target, tmp_path):
@@ -65,11 +66,21 @@ def test_bench_auto_arm_is_keyed_auto_and_lossless(llama_target, tmp_path, run_c
                               "--max-new-tokens", "8", "--dtype", "float32", "--vocab", "full",
                               "--out", out, "--no-progress")
     assert rc == 0, err
-    r = json.loads((out / "results.json").read_text())["results"]
-    assert set(r["auto"]["overall"]) == {"2"}  # K in 0..2 (the largest K listed)
-    a = r["auto"]["overall"]["2"]
-    assert a["same_output_as_k0"] == "4/4" and 0.0 <= a["mean_k"] <= 2.0
-    assert "auto (K<=2" in (out / "results.md").read_text()
+    payload = json.loads((out / "results.json").read_text())
+    r = payload["results"]
+    (kmax,) = r["auto"]["overall"]  # K in 0..kmax: the deepest that pays on this machine's costs
+    assert 1 <= int(kmax) <= AUTO_CEILING and payload["meta"]["config"]["auto_steps"] == int(kmax)
+    a = r["auto"]["overall"][kmax]
+    assert a["same_output_as_k0"] == "4/4" and 0.0 <= a["mean_k"] <= int(kmax)
+    assert f"auto (K<={kmax}" in (out / "results.md").read_text()
+    assert f"auto (K<={kmax}" in stdout  # the report printed says the range it ran
+    # --auto-max-steps fixes the range
+    rc, _, err = run_cli("bench", "--target", llama_target.path, "--draft", draft, "--prompts",
+                         prompts, "--raw", "--steps", "0,auto", "--auto-max-steps", "2", "--repeats", "1",
+                         "--max-new-tokens", "4", "--dtype", "float32", "--vocab", "full",
+                         "--out", tmp_path / "fixed", "--no-progress")
+    assert rc == 0, err
+    assert set(json.loads((tmp_path / "fixed" / "results.json").read_text())["results"]["auto"]["overall"]) == {"2"}
     rc, _, err = run_cli("bench", "--url", "http://127.0.0.1:9", "--target", llama_target.path,
                          "--prompts", prompts, "--steps", "0,auto", "--out", tmp_path / "u")
     assert rc == 1 and "add --concurrency" in err
@@ -83,6 +94,7 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.core.target import load_target
     from fastmtp_sglang.serving.app import ReferenceServer
+    from fastmtp_sglang.serving.options import ServerOptions
 
     draft = _random_draft(llama_target, tmp_path)
     prompts = _prompts(tmp_path)
@@ -109,7 +121,7 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     assert "| concurrency |" in (out / "results.md").read_text()
 
     target = load_target(llama_target.path, "float32")
-    with ReferenceServer(ReferenceEngine(target, None, 0), "127.0.0.1", 0, max_batch=4) as srv:
+    with ReferenceServer(ReferenceEngine(target, None, 0), ServerOptions(port=0, max_batch=4)) as srv:
         out2 = tmp_path / "r2"
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--repeats", "1", "--max-new-tokens",

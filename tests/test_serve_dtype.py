@@ -5,6 +5,8 @@ namespace they get (no model is loaded). The CPU's flags are injected, not read.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from fastmtp_sglang.cli import build_parser, main
@@ -28,10 +30,23 @@ def engines(monkeypatch):
             return 0
         return run
 
+    def stub_vllm(target, draft, steps, port, host, extra, **kw):  # (explicit arguments)
+        got["vllm"] = argparse.Namespace(target=target, draft=draft, steps=steps, port=port,
+                                         host=host, extra=extra, **kw)
+        return 0
+
     monkeypatch.setattr(serve, "cuda_available", lambda: False)
     monkeypatch.setattr(serve, "run_reference", stub("reference"))
-    monkeypatch.setattr(serve, "run_sglang", stub("sglang"))
-    monkeypatch.setattr(vllm_launch, "run_vllm", stub("vllm"))
+    from fastmtp_sglang.serving import sglang_launch
+
+    def stub_sglang(target, draft, steps, port, host, extra, **kw):  # (explicit arguments)
+        got["sglang"] = argparse.Namespace(target=target, draft=draft, steps=steps, port=port,
+                                           host=host, extra=extra, **kw)
+        return 0
+
+    monkeypatch.setattr(serve, "check_sglang_can_run", lambda: None)
+    monkeypatch.setattr(sglang_launch, "run_sglang", stub_sglang)
+    monkeypatch.setattr(vllm_launch, "run_vllm", stub_vllm)
     return got
 
 
@@ -98,5 +113,5 @@ def test_sglang_is_not_told_a_dtype(monkeypatch, capsys, engines):
     """SGLang takes its own --dtype after `--`: serve neither resolves nor announces one."""
     _cpu(monkeypatch, BF16_CPU)
     assert main(["serve", "--engine", "sglang", "--target", "T", "--draft", "D"]) == 0
-    assert engines["sglang"].dtype == "auto"
+    assert "--dtype" not in engines["sglang"].extra and not hasattr(engines["sglang"], "dtype")
     assert "dtype" not in capsys.readouterr().out

@@ -17,7 +17,7 @@ from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 from fastmtp_sglang.core.prompts import load_prompt_ids
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
-from fastmtp_sglang.decode.auto import auto_engine, measure_auto_costs
+from fastmtp_sglang.decode.auto_setup import AutoSpec, build_auto_engine, measure_costs
 torch.set_num_threads(2)
 B = int(sys.argv[1]); arms = sys.argv[2].split(",")
 T = materialize_smollm2(); D = shipped_head()
@@ -28,8 +28,8 @@ prompts = load_prompt_ids(target.tokenizer, "bench/data/spec_bench.jsonl", 2, No
 ids = [p[-1] for p in prompts][:B]
 def mk(arm):
     if arm == "auto":
-        cs = [measure_auto_costs(target, head, 3, vocab, batch=b) for b in (1, B)]
-        return auto_engine(target, head, 3, cs[0], None, vocab, "hybrid", batched_curves=cs[1:])
+        cs = [measure_costs(AutoSpec(3), target, head, vocab, batch=b) for b in (1, B)]
+        return build_auto_engine(AutoSpec(3), target, head, cs[0], None, vocab, cs[1:])
     k = int(arm)
     return ReferenceEngine(target, head if k else None, k, None, draft_vocab=vocab if k else None)
 engs = {a: mk(a) for a in arms}

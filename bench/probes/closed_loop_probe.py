@@ -21,7 +21,7 @@ from fastmtp_sglang.core.demo_target import materialize_smollm2
 from fastmtp_sglang.core.draft_dir import load_head
 from fastmtp_sglang.core.prompts import load_prompt_ids
 from fastmtp_sglang.core.target import load_target
-from fastmtp_sglang.decode.auto import auto_engine, measure_auto_costs
+from fastmtp_sglang.decode.auto_setup import AutoSpec, build_auto_engine, measure_costs
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.ngram import NgramDrafter
 from fastmtp_sglang.decode.sampling import SamplingParams
@@ -116,9 +116,9 @@ def main():
     for arm in a.arms.split(","):
         if arm.startswith("auto"):
             if curves is None:
-                curves = [measure_auto_costs(target, head, 3, vocab, batch=bb)
+                curves = [measure_costs(AutoSpec(3), target, head, vocab, batch=bb)
                           for bb in sorted({1, 2, 4, 8, a.clients})]
-            eng = auto_engine(target, head, 3, curves[0], None, vocab, "hybrid", batched_curves=curves[1:])
+            eng = build_auto_engine(AutoSpec(3), target, head, curves[0], None, vocab, curves[1:])
             if arm == "auto0":
                 eng.auto.margin = 0.99
         elif arm.startswith("lookup"):

@@ -21,8 +21,8 @@ import torch
 from fastmtp_sglang.cli.demo import shipped_head
 from fastmtp_sglang.core.demo_target import materialize_smollm2
 from fastmtp_sglang.core.draft_dir import load_head
-from fastmtp_sglang.core.packed_linear import pack_for_inference
 from fastmtp_sglang.core.target import load_target
+from fastmtp_sglang.cpu_kernels.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.batch import sample_draft
 from fastmtp_sglang.decode.costs import cpu_description, interleaved_ms
 from fastmtp_sglang.decode.lean_head import LeanHead

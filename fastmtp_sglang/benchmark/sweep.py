@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.decode.auto_setup import AutoSpec
 from fastmtp_sglang.decode.metrics import summarize_cycles
 
 
-AUTO_DRAFTERS = ("hybrid", "head")
 
 
 @dataclass
@@ -67,10 +67,10 @@ class BenchConfig:
     max_spread: float = 0.15
     slack: float = 0.10
     ngram_steps: list[int] = field(default_factory=list)  # prompt-lookup arms (in-process), by K
-    auto_steps: int = 0  # the `auto` arm (in-process): K chosen per cycle in 0..auto_steps; 0 = none
-    auto_drafter: str = "hybrid"  # the auto arm drafts with the head and prompt lookup, or the head alone
-    auto_alpha: float = 0.2       # the auto controller's per-request moving-average weight
-    auto_probe_every: int = 8     # cycles at K=0 before the controller drafts once at K=1
+    auto: AutoSpec | None = None  # the `auto` arm (in-process: K chosen per cycle); None = no such arm
+    # the auto arm's K range: auto.max_steps, or its ceiling until build_engines settles it from
+    # this machine's costs (decode/auto_setup.py); 0 = no auto arm
+    auto_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -85,10 +85,10 @@ class BenchConfig:
         if any(k < 1 for k in self.ngram_steps):
             raise ValueError(f"ngram steps must be >= 1, got {self.ngram_steps}")
         self.ngram_steps = sorted(set(self.ngram_steps))
-        if self.auto_steps < 0:
-            raise ValueError(f"auto_steps must be >= 0, got {self.auto_steps}")
-        if self.auto_drafter not in AUTO_DRAFTERS:
-            raise ValueError(f"auto_drafter is one of {AUTO_DRAFTERS}, got {self.auto_drafter!r}")
+        if self.auto is not None and not self.auto_steps:
+            self.auto_steps = self.auto.ceiling
+        if self.auto is None:
+            self.auto_steps = 0
 
     @property
     def arms(self) -> list[tuple[str, int]]:
@@ -350,8 +350,10 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
                   cost_batches: tuple[int, ...] = ()) -> dict[tuple[str, int], Any]:
     """One reference engine per arm of ``cfg`` (``cfg.arms``), all sharing ``target`` and
     ``head``. The auto arm uses ``cost_curve`` (measured here when None: :func:`auto_costs`),
-    and the same costs measured at ``cost_batches`` rows (K per batch size)."""
-    from fastmtp_sglang.decode.auto import auto_engine
+    and the same costs measured at ``cost_batches`` rows (K per batch size); its K range, when
+    ``cfg.auto`` leaves it to this machine's costs, is settled here into ``cfg.auto_steps``
+    (the arm's key and the K its report shows)."""
+    from fastmtp_sglang.decode.auto_setup import build_auto_engine, describe
     from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.decode.ngram import NgramDrafter
 
@@ -359,14 +361,15 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
                                             draft_vocab=draft_vocab if k else None) for k in cfg.steps}
     engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
                     for k in cfg.ngram_steps})
-    if cfg.auto_steps:
-        curve = cost_curve or auto_costs(target, head, cfg.auto_steps, draft_vocab, progress)
-        batched = [auto_costs(target, head, cfg.auto_steps, draft_vocab, progress, batch=b)
+    if cfg.auto is not None:
+        curve = cost_curve or auto_costs(target, head, cfg.auto, draft_vocab, progress)
+        batched = [auto_costs(target, head, cfg.auto, draft_vocab, progress, batch=b)
                    for b in cost_batches if b > 1]
-        engines[("auto", cfg.auto_steps)] = auto_engine(target, head, cfg.auto_steps, curve,
-                                                        max_context, draft_vocab, cfg.auto_drafter,
-                                                        cfg.auto_alpha, cfg.auto_probe_every,
-                                                        batched)
+        engine = build_auto_engine(cfg.auto, target, head, curve, max_context, draft_vocab, batched)
+        cfg.auto_steps = engine.steps
+        if progress:
+            print("auto: " + describe(cfg.auto, engine.steps), file=sys.stderr)
+        engines[("auto", cfg.auto_steps)] = engine
     return engines
 
 
@@ -375,17 +378,17 @@ def arm_key(drafter: str, k: int) -> str:
     return {"head": str(k), "ngram": f"lookup{k}", "auto": "auto"}[drafter]
 
 
-def auto_costs(target, head, kmax: int, draft_vocab=None, progress: bool = True, batch: int = 1):
-    """This machine's cost curve for the ``auto`` arm (verify 1..kmax+1 tokens, draft step, draft
-    extend; at ``batch`` rows, a few seconds; fastmtp_sglang.decode.costs)."""
-    from fastmtp_sglang.decode.auto import measure_auto_costs
+def auto_costs(target, head, spec: AutoSpec, draft_vocab=None, progress: bool = True, batch: int = 1):
+    """This machine's cost curve for the ``auto`` arm (verify up to ceiling + 1 tokens, draft step,
+    draft extend; at ``batch`` rows, a few seconds; fastmtp_sglang.decode.auto_setup)."""
+    from fastmtp_sglang.decode.auto_setup import measure_costs
 
     if head is None:
         raise FastMTPError("the auto arm drafts with the head: give --draft")
     if progress:
-        print(f"auto: measuring this machine's cost curve (verify 1..{kmax + 1} tokens, draft step, "
-              f"draft extend) at batch {batch}", file=sys.stderr)
-    curve = measure_auto_costs(target, head, kmax, draft_vocab, batch)
+        print(f"auto: measuring this machine's cost curve (verify {spec.cost_points()} tokens, "
+              f"draft step, draft extend) at batch {batch}", file=sys.stderr)
+    curve = measure_costs(spec, target, head, draft_vocab, batch)
     if progress:
         print("auto: " + cost_line(curve), file=sys.stderr)
     return curve
@@ -402,7 +405,9 @@ def servers_by_k(server_urls: list[str]) -> tuple[dict[int | str, str], dict[int
     drafts: dict[int | str, str] = {}
     for u in server_urls:
         info = server_info(u)
-        k: int | str = int(info.get("steps", info.get("speculative_num_steps") or 0) or 0)
+        steps = info.get("steps", info.get("speculative_num_steps") or 0)
+        # the reference server reports --steps auto as "auto" (speculative_num_steps: its top K)
+        k: int | str = "auto" if steps == "auto" else int(steps or 0)
         if info.get("speculative_algorithm") in (None, "None") and "steps" not in info:
             k = 0
         if k and info.get("speculative_adaptive"):

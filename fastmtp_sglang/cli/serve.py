@@ -37,7 +37,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from fastmtp_sglang.decode.auto_setup import AutoSpec, parse_steps
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.serving.options import ServerOptions
 from fastmtp_sglang.serving.sglang_versions import PINNED, adaptive_candidates, installed_version
 
 
@@ -111,19 +113,6 @@ def check_sglang_can_run() -> None:
                            ) from None
 
 
-def run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
-    """Launch SGLang's server with our draft head; returns its exit code."""
-    check_sglang_can_run()
-    try:
-        from fastmtp_sglang.serving import sglang_launch
-    except ModuleNotFoundError as exc:
-        if exc.name != "fastmtp_sglang.serving.sglang_launch":
-            raise
-        raise FastMTPError("this installation has no SGLang launcher (fastmtp_sglang.serving.sglang_launch); "
-                           "use --engine reference") from None
-    return sglang_launch.run_sglang(args, extra)
-
-
 def sglang_auto_args(args: argparse.Namespace) -> list[str]:
     """``--steps auto`` on SGLang: its own adaptive speculation (EAGLE worker, topk 1): batch-size
     tiers, each switching between its candidate K by an EMA of accepted drafts. Our K must be
@@ -173,38 +162,32 @@ def vllm_auto_table(args: argparse.Namespace):
 
 def build_reference_server(args: argparse.Namespace):
     """Check the flags, then load target + head, check they fit, and build (not start) the
-    ReferenceServer (fastmtp_sglang.serving.reference)."""
+    ReferenceServer (fastmtp_sglang.serving.reference, which refuses a target that is not a
+    model directory and a port it cannot have before any weights load)."""
     from fastmtp_sglang.serving.reference import load_reference_server
 
     default_draft(args)
     if args.steps < 0:
         raise FastMTPError(f"--steps must be >= 0, got {args.steps}")
-    if args.max_batch < 1:
-        raise FastMTPError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.batch_window_ms < 0:
-        raise FastMTPError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
     if args.max_context is not None and args.max_context < 2:
         raise FastMTPError(f"--max-context must be >= 2 tokens, got {args.max_context}")
-    for flag, value, low in (("--max-queue", args.max_queue, 1),
-                             ("--max-body-mb", args.max_body_mb, 0.001),
-                             ("--read-timeout", args.read_timeout, 0.001),
-                             ("--write-timeout", args.write_timeout, 0.001),
-                             ("--max-connections", args.max_connections, 1),
-                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
-        if not value >= low:
-            raise FastMTPError(f"{flag} must be >= {low:g}, got {value}")
+    options = server_options(args)
     if args.draft is None and args.steps > 0:
         raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
     return load_reference_server(
-        args.target, args.draft, args.steps, auto=args.auto, auto_drafter=args.auto_drafter,
-        host=args.host, port=args.port, vocab=args.vocab,
-        dtype=args.dtype, device=args.device, max_context=args.max_context,
-        allow_base_mismatch=args.allow_base_mismatch, max_batch=args.max_batch,
-        batch_window_s=args.batch_window_ms / 1000, log_requests=args.log_requests,
-        max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        read_timeout_s=args.read_timeout, shutdown_timeout_s=args.shutdown_timeout,
-        write_timeout_s=args.write_timeout, max_connections=args.max_connections,
-        enable_return_hidden_states=args.enable_return_hidden_states)
+        args.target, args.draft, args.steps, options, auto=args.auto,
+        vocab=args.vocab, dtype=args.dtype, device=args.device,
+        max_context=args.max_context, allow_base_mismatch=args.allow_base_mismatch)
+
+
+def server_options(args: argparse.Namespace):
+    """The reference server's ServerOptions from its flags; a bad value names the flag."""
+    from fastmtp_sglang.serving.options import OptionError
+
+    try:
+        return ServerOptions.from_cli_args(args)
+    except OptionError as exc:
+        raise FastMTPError(str(exc)) from None
 
 
 def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
@@ -214,9 +197,9 @@ def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
     server = build_reference_server(args)
     eng = server.engine
     print(f"fastmtp serve: reference engine, target {args.target}, "
-          + (f"draft {args.draft}, K={eng.steps}" if eng.steps else "no drafts (K=0)")
+          + (f"draft {args.draft}, K={describe_steps(server)}" if eng.steps else "no drafts (K=0)")
           + f", {str(eng.model.dtype).replace('torch.', '')} on {args.device}, context {eng.max_context}, "
-          f"max batch {server.max_batch}", flush=True)
+          f"max batch {server.options.max_batch}", flush=True)
     print(f"fastmtp serve: listening on {server.url} (Ctrl-C or SIGTERM to stop)", flush=True)
     stopped = server.serve_forever(exit_if_stuck=True)
     info = server.server_info()
@@ -235,6 +218,14 @@ def run_reference(args: argparse.Namespace, extra: list[str]) -> NoReturn:
     os._exit(0)
 
 
+def describe_steps(server) -> str:
+    """K as the start line says it: a number, or ``auto (0..K per cycle)``."""
+    info = server.worker.steps_info()
+    if info["steps"] == "auto":
+        return f"auto ({info['steps_range'][0]}..{info['steps_range'][1]} per cycle)"
+    return str(info["steps"])
+
+
 def _made_for(draft, target) -> bool:
     """Whether a draft directory was made for this target (sizes, config and tokenizer hash)."""
     from transformers import AutoTokenizer
@@ -251,22 +242,21 @@ def _made_for(draft, target) -> bool:
 
 
 def parse_serve_steps(args: argparse.Namespace) -> None:
-    """``--steps`` is K, or ``auto`` (then ``args.auto`` is set and K is the largest it may
-    pick: ``--auto-max-steps``, default 4 on the reference engine and 3 on SGLang)."""
-    args.auto = False
+    """``--steps`` is K, or ``auto``: then ``args.auto`` is its AutoSpec (None otherwise) and
+    ``args.steps`` the largest K it may pick: ``--auto-max-steps``, else on SGLang 3 (where its
+    tiers start) and on the reference engine the ceiling it chooses its range under (from the
+    costs it measures at start, decode/auto_setup.py)."""
+    args.auto = None
     if args.steps is None or isinstance(args.steps, int):
         return
-    text = str(args.steps).strip().lower()
-    if text == "auto":
-        args.auto = True
-        args.steps = args.auto_max_steps or (3 if args.engine == "sglang" else 4)
-        if args.steps < 1:
-            raise FastMTPError(f"--auto-max-steps must be >= 1, got {args.steps}")
+    steps, auto = parse_steps(args.steps)
+    if len(steps) + auto != 1:
+        raise FastMTPError(f"--steps takes one K (an integer >= 0) or auto; got {args.steps!r}")
+    if auto:
+        args.auto = AutoSpec.from_cli_args(args)
+        args.steps = args.auto_max_steps or (3 if args.engine == "sglang" else args.auto.ceiling)
         return
-    try:
-        args.steps = int(text)
-    except ValueError:
-        raise FastMTPError(f"--steps takes K (an integer >= 0) or auto; got {args.steps!r}") from None
+    args.steps = steps[0]
 
 
 def default_draft(args: argparse.Namespace) -> None:
@@ -301,23 +291,39 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine == "auto":
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
     args.engine = engine
+    if engine == "sglang":
+        check_sglang_can_run()
     if engine != "reference":
         default_draft(args)
     if engine in ("reference", "vllm"):  # SGLang takes its own --dtype, after `--`
         device = args.device if engine == "reference" else "cuda" if cuda_available() else "cpu"
         args.dtype, line = pick_dtype(args.dtype, device)
         print(line, flush=True)
+    # what each engine's flags mean, settled here before anything is loaded or launched
+    flags = sglang_auto_args(args) if engine == "sglang" else []
+    table = vllm_auto_table(args) if engine == "vllm" else None
+    if engine == "reference" and args.adaptive_config:
+        raise FastMTPError("--adaptive-config is SGLang's or vLLM's K-per-batch-size table: the "
+                           "reference engine measures its own costs (drop it)")
     if engine == "sglang":
+        extra = extra + flags
         if args.enable_return_hidden_states and "--enable-return-hidden-states" not in extra:
             extra = extra + ["--enable-return-hidden-states"]  # SGLang's flag of the same name
-        return run_sglang(args, extra + sglang_auto_args(args))
+        try:
+            from fastmtp_sglang.serving import sglang_launch
+        except ModuleNotFoundError as exc:
+            if exc.name != "fastmtp_sglang.serving.sglang_launch":
+                raise
+            raise FastMTPError("this installation has no SGLang launcher "
+                               "(fastmtp_sglang.serving.sglang_launch); use --engine reference") from None
+        return sglang_launch.run_sglang(args.target, args.draft, args.steps, args.port, args.host,
+                                        extra, vocab=args.vocab)
     if engine == "vllm":  # vLLM's server (CPU build too), draft via its EAGLE proposer
         from fastmtp_sglang.serving.vllm_launch import run_vllm
 
-        return run_vllm(args, extra, vllm_auto_table(args))
-    if args.adaptive_config:
-        raise FastMTPError("--adaptive-config is SGLang's or vLLM's K-per-batch-size table: the "
-                           "reference engine measures its own costs (drop it)")
+        return run_vllm(args.target, args.draft, args.steps, args.port, args.host, extra,
+                        dtype=args.dtype, vocab=args.vocab,
+                        allow_base_mismatch=args.allow_base_mismatch, k_per_batch_size=table)
     return run_reference(args, extra)
 
 
@@ -339,20 +345,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "0 = plain decoding; auto = K chosen per cycle (reference engine: from "
                         "this machine's costs measured at start, per batch size; SGLang: its "
                         "--speculative-adaptive; vLLM: a measured table, --adaptive-config)")
-    p.add_argument("--auto-max-steps", type=int, default=None,
-                   help="--steps auto: the largest K (default 4 on the reference engine; on "
-                        "SGLang the K it starts at, default 3, one of its tiers' candidates)")
-    p.add_argument("--auto-drafter", choices=("hybrid", "head"), default="hybrid",
-                   help="--steps auto on the reference engine: the head and prompt lookup per "
-                        "request and cycle (hybrid, default), or the head alone")
+    AutoSpec.add_cli_args(p, "--steps auto on the reference engine", "; on SGLang the K it starts at, "
+                   "default 3, one of its tiers' candidates")
     p.add_argument("--adaptive-config", default=None,
                    help="--steps auto on SGLang: a --speculative-adaptive-config JSON file; on "
                         "vLLM (required): a K-per-batch-size table; fastmtp bench --concurrency "
                         "--emit-engine-config writes both (sglang_adaptive.json, "
                         "vllm_k_per_batch_size.json)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000,
-                   help="port (default 30000, SGLang's); reference engine: 0 = any free port")
     p.add_argument("--vocab", default=None,
                    help="draft vocabulary, picked per request from the prompt's script: "
                         "default the draft's own tables if it lists any, else full; full; auto "
@@ -365,42 +364,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "bit-equal to the target's own greedy decoding. SGLang: give its own "
                         "--dtype after `--`")
     p.add_argument("--device", default="cpu", help="reference engine: torch device (default cpu)")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="reference engine: most requests run as one batch (default 8)")
-    p.add_argument("--batch-window-ms", type=float, default=0.0,
-                   help="reference engine: after a batch's first request, wait this many ms for "
-                        "more before running it (default 0 = run at once)")
     p.add_argument("--max-context", type=int, default=None,
                    help="reference engine: tokens a request may use, prompt + output (default: "
                         "the target's max_position_embeddings)")
-    p.add_argument("--log-requests", action="store_true",
-                   help="reference engine: print one line per finished request to stderr")
-    p.add_argument("--max-queue", type=int, default=128,
-                   help="reference engine: requests that may wait for a batch; more get 503 with "
-                        "Retry-After (default 128)")
-    p.add_argument("--max-body-mb", type=float, default=8.0,
-                   help="reference engine: largest request body in MiB; larger ones get 413 "
-                        "before they are read (default 8)")
-    p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="reference engine: seconds each request's headers, and its body, may "
-                        "take to arrive (default 30)")
-    p.add_argument("--write-timeout", type=float, default=30.0,
-                   help="reference engine: seconds a client may leave what was sent unread "
-                        "before its connection is cut and its request aborted (default 30)")
-    p.add_argument("--max-connections", type=int, default=512,
-                   help="reference engine: connections open at once; more are answered 503 with "
-                        "Retry-After (default 512)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="reference engine: on SIGTERM / Ctrl-C, seconds requests in flight get to "
-                        "finish before they are aborted (default 30)")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="serve a draft whose recorded base model (config / tokenizer hash) is "
                         "not this target's")
-    p.add_argument("--enable-return-hidden-states", action="store_true",
-                   help="reference engine: answer requests with return_hidden_states true (the "
-                   "target's post-norm hidden states in meta_info.hidden_states, as SGLang's flag "
-                   "of this name; `fastmtp distill --with-features` asks for them); with --engine "
-                   "sglang it is passed to SGLang")
+    # --host, --port and the reference server's limits: their defaults, help and checks are
+    # ServerOptions' (fastmtp_sglang.serving.options)
+    ServerOptions.add_cli_args(p)
     p.add_argument("sglang_args", nargs=argparse.REMAINDER,
                    help="after `--`: arguments passed to SGLang's launcher unchanged")
     p.set_defaults(func=_run)

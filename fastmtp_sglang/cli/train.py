@@ -19,7 +19,7 @@ from fastmtp_sglang.training.config import (ATTENTIONS, COMPUTE_DTYPES, LOSSES, 
 from fastmtp_sglang.training.train import fmt_score, train
 
 
-def _config_from_args(args: argparse.Namespace, saved: dict[str, Any] | None) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, saved: dict[str, Any] | None) -> TrainConfig:
     """Flags given on the command line, over the checkpoint's settings (resume) or the defaults
     (the peak LR defaults to :data:`NEW_HEAD_LR` for a head from `fastmtp init-head`)."""
     names = {f.name for f in fields(TrainConfig)}
@@ -36,7 +36,7 @@ def _config_from_args(args: argparse.Namespace, saved: dict[str, Any] | None) ->
 
 def _run(args: argparse.Namespace) -> int:
     saved = load_trainer_state(Path(args.resume))["config"] if args.resume else None
-    cfg = _config_from_args(args, saved)
+    cfg = config_from_args(args, saved)
     if not args.resume and not args.init:
         raise FastMTPError("pass --init DIR (a draft directory from `fastmtp init-head` or "
                            "`fastmtp convert`) or --resume DIR")

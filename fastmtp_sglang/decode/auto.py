@@ -190,14 +190,13 @@ class AutoK:
         # prompt-lookup proposal whose suffix matched n tokens)
         self.shared: dict[str, list[float]] = {}
         self._seen: dict[str, int] = {}  # drafting cycles observed per source (room())
-        # measured / modelled cycle time, per (K, batch-size class) (EMA): the costs were
-        # measured on bare calls; a serving loop adds its own (attention over slot holes and
-        # the longest row's width, bookkeeping per row), more so at larger K and batch. Starts
-        # at 1 (trust the curve) and follows the cycles that ran.
-        # The median of the last CALIB_WINDOW ratios, not a moving average: a repack, a leave or
-        # a pause of the VM makes a cycle 2-3x its price now and then, and an average of such
-        # outliers lifted K=0's price 12% above its typical cycle at 16 rows, where drafting
-        # then looked as cheap as K=0 and lost (design 6.7).
+        # measured / modelled cycle time, per (K, batch-size class): the costs were measured on
+        # bare calls; a serving loop adds its own (attention over slot holes and the longest
+        # row's width, bookkeeping per row), more so at larger K and batch. Starts at 1 (trust
+        # the curve) and follows the cycles that ran.
+        # The median of the last CALIB_WINDOW ratios, not a moving average: the odd cycle that
+        # pays a repack, a leave or a pause of the VM must not set the price (an average of
+        # them made drafting look as cheap as K=0; docs/design.md section 6.7, "Calibration").
         self.calib: dict[tuple, float] = {}  # keys: _calib_key
         self._ratios: dict[tuple, deque] = {}
         self._catch_up: dict[int, deque] = {}  # ms per deferred position of catch-ups, per batch class
@@ -221,15 +220,13 @@ class AutoK:
         """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
         the row's estimate moves ``relax`` of the way back towards the shared one.
 
-        A row's estimate moves only while its source drafts, and a source drafts only while its
-        estimate is high: after a few misses in a row (at alpha 0.2, three misses take 0.45 to
-        0.23) the row stops drafting with it and the estimate stays low for the rest of the
-        request, whatever the source would do now. Over many rows that biases the estimates
-        low: at 2 clients the rows' head estimates sat at 0.1-0.3 while the head's step-1
-        acceptance was ~0.4, and auto drafted with it in a third of its cycles where the head
-        at K=1 was the best arm (AMD EPYC, 2026-12-03, design 6.7). Relaxed, a row that has
-        sat out ~14 cycles is half-way back to what all rows measure, and drafts with the source
-        again if that pays; a row where it really misses falls back at the next miss."""
+        Why: a row's estimate moves only while its source drafts, and a source drafts only while
+        its estimate is high, so after a few misses in a row (at alpha 0.2, three misses take
+        0.45 to 0.23) the row would stop drafting with it for the rest of the request, whatever
+        the source would do now, and over many rows the estimates would sit low (measured:
+        docs/design.md section 6.7, "The catch-up is spread"). Relaxed, a row that has sat out
+        ~14 cycles is half-way back to what all rows measure, and drafts with the source again
+        if that pays; a row where it really misses falls back at the next miss."""
         shared = self.shared.get(source)
         if shared is not None and self.relax:
             for j, s in enumerate(shared):
@@ -240,9 +237,9 @@ class AutoK:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
 
         A chain accepted whole says nothing about the next position; its estimate is raised to
-        the deepest observed one (conditional acceptances of one head are of one size: 28-52%
-        at steps 2-3 against 37-45% at step 1 for the shipped head), so a row that only ever
-        drafted at K=1 can grow its chain instead of staying at its prior."""
+        the deepest observed one (a head's conditional acceptances are of one size across steps:
+        docs/design.md section 6.7), so a row that only ever drafted at K=1 can grow its chain
+        instead of staying at its prior."""
         for j in range(min(k, accepted + 1)):
             hit = 1.0 if j < accepted else 0.0
             est[j] += alpha * (hit - est[j])
@@ -280,8 +277,8 @@ class AutoK:
         """Where cycles at K of ``batch`` rows are calibrated: (K, batch class), and apart,
         (K, batch class, "lookup") for drafting cycles without the head (hybrid, every row on
         prompt lookup). The two are priced from different parts of the curve (the verify alone,
-        or the verify with the head's steps and extend), so one ratio cannot fit both: at 8-16
-        rows, lookup cycles priced with the ratio of head cycles took 1.3-1.7x their price."""
+        or the verify with the head's steps and extend), so one ratio cannot fit both
+        (docs/design.md section 6.8, "Lookup cycles are calibrated apart")."""
         cls = batch_class(batch)
         return (k, cls) if head_steps or not k else (k, cls, "lookup")
 
@@ -300,9 +297,9 @@ class AutoK:
         without it: K=0, or prompt lookup for every row): the curve's
         extend of one position plus, per further position, the median of what the catch-ups
         seen at this batch class took beyond it (``observe_catch_up``; the curve alone before
-        the first). The curve times extends of 1..K+1 positions, nearly flat (3.2-3.4 ms at 16
-        rows), and priced a catch-up over 24 positions at 3.6 ms where it took ~25 ms, so probes
-        after long K=0 runs looked 5-7x cheaper than they were."""
+        the first). Why: the curve times extends of 1..K+1 positions, nearly flat, and priced
+        long catch-ups far below what they took (docs/design.md section 6.7, "The catch-up's
+        price")."""
         base = self.costs.extend_ms(1, batch)
         per = self._catch_up.get(batch_class(batch))
         if per and deferred > 1:
@@ -326,10 +323,9 @@ class AutoK:
         by the tokens a row emits per cycle at each K (:meth:`_once_at`). Rows may still stop at
         EOS before their budget, so the price errs towards drafting.
 
-        Unpriced, a batch that had decoded at K=0 under load paid it in the first drafting
-        cycle as the load fell: at 16 clients (design 6.7, AMX Xeon, 2026-12-02) cycles at 2-4 rows took
-        121-231 ms for 1.3-1.4 tokens a row against ~32-60 ms for one at K=0, 80 ms of it the
-        head reading the rows' prompts, for rows with a few tokens left to draft."""
+        Why: unpriced, a batch that had decoded at K=0 under load paid it all in its first
+        drafting cycle as the load fell, for rows with a few tokens left to draft
+        (docs/design.md section 6.7, "The head's first reading of prompts is priced")."""
         if not tokens or not self._prompt_tok:
             return 0.0
         return statistics.median(self._prompt_tok) * tokens / max(left, 1.0)
@@ -367,11 +363,8 @@ class AutoK:
         A drafting cycle costs a continuous batch more than its own time, and more so the more
         rows it has: rows that accept different counts stop finishing in the same cycle, so
         their clients' next requests arrive apart and join in more prefill calls, with the other
-        rows waiting through each, and cycles run with more free rows meanwhile. At 16 clients
-        (AMX Xeon, 52 requests x 64 tokens, design 6.8) the cycles auto drafted at 12-16 rows
-        were priced at +4-9% against K=0 and took what they were priced at, yet the arm made
-        0.94x of K=0's throughput (50 joins against 31, 13.5 rows per cycle against 13.9);
-        the same arm kept at K=0 from 9 rows made 0.98x."""
+        rows waiting through each, and cycles run with more free rows meanwhile (measured:
+        docs/design.md section 6.8, "The margin grows with the batch")."""
         return self.margin + self.row_margin * (max(int(batch), 1) - 1)
 
     def _head_share(self, once: float, deferred: int, batch: int, left: float,
@@ -384,9 +377,8 @@ class AutoK:
         head back for the cycles the rows have left (``left`` at one token a cycle; fewer at more
         tokens a row), so it is spread over those, as the prompt reading is; ``left`` = 1 charges
         it whole to the one cycle. Charged whole, it grew with every cycle that went without the
-        head, so the longer the head sat out the dearer it looked: at 2-4 clients auto drafted
-        almost only with prompt lookup while the head at K=1 was the best arm (AMD EPYC,
-        2026-12-03, design 6.7). A probe still pays it whole (:meth:`probe_due`): it may learn
+        head, so the longer the head sat out the dearer it looked (docs/design.md section 6.7,
+        "The catch-up is spread"). A probe still pays it whole (:meth:`probe_due`): it may learn
         the head is not worth it, and then the catch-up bought nothing."""
         share = self._once_at(once, tokens_per_row)
         if deferred:
@@ -433,9 +425,8 @@ class AutoK:
         And not at a batch size where rows as good as the head's shared estimate could not make
         a head cycle pay (:meth:`room`, ``head_only``): at 16 rows a K=1 cycle costs ~1.6x a
         plain one, so drafting there needs step-1 acceptance above ~0.6 in every row at once.
-        Judged with prompt lookup's estimates too (priced as cycles without the head), the room
-        stayed open at 16 rows once 4-token matches had been accepted, and the head probes made
-        there took 1.6-2x a K=0 cycle for 1.35-1.46 tokens a row (AMX Xeon, 2026-12-03)."""
+        Judged with prompt lookup's estimates too, the room stayed open where head probes lost
+        (docs/design.md section 6.8, "Probes ask about the head alone")."""
         if zero_run < self.probe_every:
             return False
         B = len(ests)
@@ -503,29 +494,3 @@ class AutoK:
         if k == 0 and self.probe_due(ests, zero_run, deferred, once):
             return 1
         return k
-
-
-def measure_auto_costs(target, head, kmax: int, draft_vocab=None, batch: int = 1):
-    """This machine's costs for ``auto``: verify 1..kmax+1 tokens, draft step, draft extend, at
-    ``batch`` rows (a few seconds; fastmtp_sglang.decode.costs.measure)."""
-    from fastmtp_sglang.decode.costs import measure
-
-    return measure(target, head, draft_vocab, ns=tuple(range(1, kmax + 2)), repeats=7, warmup=2,
-                   bandwidth_mib=256, batch=batch)  # larger than the last-level cache
-
-
-def auto_engine(target, head, kmax: int, curve, max_context: int | None = None, draft_vocab=None,
-                drafter: str = "hybrid", alpha: float = 0.2, probe_every: int = 8,
-                batched_curves: list | None = None):
-    """A ReferenceEngine whose K is chosen per cycle in 0..kmax from ``curve`` (and the same
-    costs at larger batches, ``batched_curves``); with ``drafter="hybrid"`` each row also takes
-    prompt lookup's proposal (suffix matches of 1-4 tokens) whenever its estimate beats the
-    head's."""
-    from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.decode.ngram import NgramDrafter
-
-    hybrid = drafter == "hybrid"
-    return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
-                           drafter=NgramDrafter(max_ngram=4) if hybrid else None,
-                           auto=AutoK(StepCosts.from_curve(curve, batched_curves), kmax, alpha=alpha,
-                                      probe_every=probe_every), hybrid=hybrid)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.hardware import REPORTED_FLAGS, cpu_flags, cpu_model
-from fastmtp_sglang.core.packed_linear import is_packed, pack_for_inference, unpack_linears
+from fastmtp_sglang.cpu_kernels.packed_linear import is_packed, pack_for_inference, unpack_linears
 from fastmtp_sglang.decode.batch import sample_draft
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
@@ -131,7 +131,7 @@ def measure(target, head=None, draft_vocab=None, ns: tuple[int, ...] = (1, 2, 3,
     per call (every row a ``context``-token cache, as a batch of that many requests);
     ``stock``: time transformers' own DynamicCache, sdpa attention and linear layers instead of
     the engine's in-place slots, GQA attention (decode/slot_cache.py) and prepared bf16 weights
-    (core/packed_linear.py), for a side-by-side comparison; ``fuse`` False: prepared weights
+    (cpu_kernels/packed_linear.py), for a side-by-side comparison; ``fuse`` False: prepared weights
     without the fused q/k/v and gate/up products; ``lean`` False: the target's forward through
     transformers' model instead of the engine's lean forward (decode/lean_forward.py; ``stock``
     implies it); ``sampled``: also time the plain step and the draft step when the request
