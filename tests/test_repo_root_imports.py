@@ -27,13 +27,25 @@ def installed(name: str) -> bool:
     return r.returncode == 0
 
 
-def test_import_kernels_at_the_root_gets_the_installed_package_or_none():
+def test_import_kernels_at_the_root_gets_the_installed_package():
+    if not installed("kernels"):
+        pytest.skip("PyPI's kernels is not installed here (the sglang extra and CI's newest-"
+                    "transformers venv have it)")
     r = run_at_root("import kernels; print(kernels.__file__)")
-    if installed("kernels"):
-        assert r.returncode == 0, r.stderr
-        assert not Path(r.stdout.strip()).resolve().is_relative_to(REPO / "kernels"), r.stdout
-    else:
-        assert "ModuleNotFoundError: No module named 'kernels'" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert not Path(r.stdout.strip()).resolve().is_relative_to(REPO / "kernels"), r.stdout
+
+
+def test_without_an_installed_kernels_the_folder_reads_as_not_installed():
+    """No PyPI kernels on the path (site-packages hidden): ``import kernels`` gives an empty module
+    without ``__file__``, which transformers' availability check (find_spec, then an import when
+    there is no metadata) reads as "not installed" (an ImportError there would fail
+    ``import transformers.activations``, as it did in vLLM's venv, which has no kernels)."""
+    r = run_at_root("import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]; "
+                    "import kernels; print(getattr(kernels, '__file__', None), "
+                    "[n for n in dir(kernels) if not n.startswith('_')])")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "None []", r.stdout
 
 
 def test_transformers_imports_at_the_root():
