@@ -53,6 +53,18 @@ def test_update_observes_positions_up_to_the_first_rejection():
     assert est == [0.9375, 0.8125, 0.8125, 0.75]
 
 
+def test_sampled_rows_observe_acceptance_probabilities():
+    """A sampled row observes each verified position's probability of acceptance in place of its
+    0/1 outcome (the same positions: up to the first rejection), and so does the shared estimate."""
+    auto = AutoK(FLAT, 3, prior=0.5, alpha=0.5, shared_alpha=0.5, calibrate=False)
+    est = auto.new_estimate()
+    auto.update(est, 3, 1, probs=[0.6, 0.3, 0.9])  # d3 is past the first rejection: not observed
+    assert est == pytest.approx([0.55, 0.4, 0.5])
+    assert auto.shared["head"] == pytest.approx([0.55, 0.4, 0.5])
+    auto.update(est, 2, 2, probs=[0.8, 0.4])  # whole chain: position 3 raised to position 2's
+    assert est == pytest.approx([0.675, 0.4, 0.5])
+
+
 def test_new_requests_start_from_what_earlier_requests_measured():
     auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1, calibrate=False)
     for _ in range(200):  # requests whose head is never right
@@ -182,6 +194,34 @@ def test_auto_sampled_tokens_follow_the_target():
     tv = 0.5 * (emp - want).abs().sum().item()
     assert tv < 0.05, f"total variation {tv:.3f} between emitted and target marginals"
     assert any(c.drafted for r in res for c in r.metrics.cycles)  # drafts were verified
+
+
+def test_the_engine_hands_auto_each_positions_chance_of_acceptance(monkeypatch):
+    """Sampled: what a row's estimate observes at a position is the chance its draft is accepted
+    there; over many rows its mean matches how often the drafts were accepted. Greedy: the
+    outcomes themselves (no probabilities)."""
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    seen = []
+    real = AutoK.update
+    monkeypatch.setattr(AutoK, "update", lambda self, est, k, acc, source="head", probs=None:
+                        (seen.append((k, acc, probs)), real(self, est, k, acc, source, probs))[1])
+    auto = AutoK(FLAT, 2, calibrate=False, row_margin=0.0)
+    eng = ReferenceEngine(t, head, 2, max_context=16, auto=auto)
+    n = 2000
+    eng.generate([Request([4, 9, 2], SamplingParams(temperature=1.0, max_new_tokens=2, seed=i)) for i in range(n)])
+    drafted = [(acc, probs) for k, acc, probs in seen if k]
+    assert len(drafted) > n // 2 and all(len(p) == 2 and all(0.0 <= x <= 1.0 + 1e-6 for x in p)
+                                         for _, p in drafted)
+    rate = sum(acc >= 1 for acc, _ in drafted) / len(drafted)
+    chance = sum(p[0] for _, p in drafted) / len(drafted)
+    assert 0.05 < rate < 0.95 and abs(rate - chance) < 0.04, (rate, chance)
+    seen.clear()
+    eng.generate([Request([4, 9, 2], SamplingParams(max_new_tokens=6))])
+    assert seen and all(probs is None for _, _, probs in seen)
 
 
 def test_engine_refuses_an_auto_that_does_not_match_its_steps(llama):

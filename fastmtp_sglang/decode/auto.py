@@ -207,14 +207,17 @@ class AutoK:
         """Where a new request starts: what the requests before it measured."""
         return list(self.shared.setdefault(source, [self.prior] * self.kmax))
 
-    def update(self, est: list[float], k: int, accepted: int, source: str = "head") -> None:
-        """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too."""
-        self._observe(est, k, accepted, self.alpha)
+    def update(self, est: list[float], k: int, accepted: int, source: str = "head",
+               probs: list[float] | None = None) -> None:
+        """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too.
+        ``probs``: when the row was sampled, each verified position's probability of acceptance
+        (``sum_x min(p(x), q(x))``), observed in place of the 0/1 outcome."""
+        self._observe(est, k, accepted, self.alpha, probs)
         if k:
             self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
-            self._observe(shared, k, accepted, self.shared_alpha)
+            self._observe(shared, k, accepted, self.shared_alpha, probs)
 
     def relax_estimate(self, est: list[float], source: str = "head") -> None:
         """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
@@ -233,15 +236,23 @@ class AutoK:
                 est[j] += self.relax * (s - est[j])
 
     @staticmethod
-    def _observe(est: list[float], k: int, accepted: int, alpha: float) -> None:
+    def _observe(est: list[float], k: int, accepted: int, alpha: float,
+                 probs: list[float] | None = None) -> None:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
+
+        Each verified position up to the first rejection is observed: with ``probs`` (a sampled
+        row) its probability of acceptance given the accepted prefix, else whether it was
+        accepted. Why: when sampling, the 0/1 outcome of a position accepted 40% of the time
+        swings a moving average so far that a row whose drafts pay by 10% spends most cycles
+        below the break-even, at K=0, where it observes nothing (docs/design.md section 6.7,
+        "Sampled rows observe acceptance probabilities"); the probability has the same mean.
 
         A chain accepted whole says nothing about the next position; its estimate is raised to
         the deepest observed one (a head's conditional acceptances are of one size across steps:
         docs/design.md section 6.7), so a row that only ever drafted at K=1 can grow its chain
         instead of staying at its prior."""
         for j in range(min(k, accepted + 1)):
-            hit = 1.0 if j < accepted else 0.0
+            hit = probs[j] if probs is not None else (1.0 if j < accepted else 0.0)
             est[j] += alpha * (hit - est[j])
         if 0 < k == accepted < len(est):
             est[k] = max(est[k], est[k - 1])

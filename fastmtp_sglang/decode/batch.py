@@ -94,6 +94,9 @@ class Batch:
         self.cache = self.valid = self.pending = self.pos = None
         self.dcache = self.g = self.tidx = self.extra = None
         self.zero_run = 0    # cycles in a row at K=0 (auto)
+        # sampled rows, auto: each verified position's probability of acceptance, [n][Kc] (set by
+        # ReferenceEngine._verify; None for a greedy batch, whose outcomes are their own)
+        self.accept_probs: list[list[float]] | None = None
         self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (vh, ids, pos)
         # the head's input at each row's last prompt position (auto): what a row joining a batch
         # with deferred extends repeats in their place (see merge)

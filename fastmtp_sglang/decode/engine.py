@@ -373,6 +373,7 @@ class ReferenceEngine(AutoDrafting):
         vpos = (b.pos[:, None] + torch.arange(Kc + 1, device=dev)[None]).clamp(max=self.max_context - 1)
         b.valid = torch.cat([b.valid, torch.ones(n, Kc + 1, dtype=torch.bool, device=dev)], dim=1)
         vh, vf = self._target(vin, vpos, b.valid.long(), b.cache)                     # [n, Kc+1, H]
+        b.accept_probs = None
         tlogits = self.target.lm_head(vh).float()                                     # [n, K+1, V]
         cap = room.tolist()
         if Kc == 0 and not b.greedy:  # nothing to verify: each row samples its next token
@@ -395,6 +396,8 @@ class ReferenceEngine(AutoDrafting):
             acc = torch.cat([a for a, _ in parts])
             emitted = torch.cat([torch.nn.functional.pad(e, (0, Kc - c), value=-1)
                                  for (_, e), c in zip(parts, cap)])
+            if self.auto is not None and Kc:  # each position's chance of acceptance (AutoK._observe)
+                b.accept_probs = torch.minimum(p[:, :Kc], q).sum(-1).tolist()
         capture_verified(b.rows, vh, tlogits, acc)  # (rows that keep features: decode/capture.py)
         # rollback: hide the slots of rejected drafts; crop what no row uses
         slot = torch.arange(Kc + 1, device=dev)[None]
@@ -456,12 +459,13 @@ class ReferenceEngine(AutoDrafting):
                 # the source that drafted learns from the cycle; the row's other estimates
                 # move back towards the shared ones (AutoK.relax_estimate)
                 m = b.plan[j][1] if took_lookup else 0
+                probs = b.accept_probs[j] if b.accept_probs is not None else None
                 if took_lookup:
-                    self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}")
+                    self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}", probs)
                 if took_lookup or not k:
                     self.auto.relax_estimate(r.est)
                 else:
-                    self.auto.update(r.est, k, acc_l[j])
+                    self.auto.update(r.est, k, acc_l[j], probs=probs)
                 for n, est in r.est_lookup.items():
                     if n != m:
                         self.auto.relax_estimate(est, f"lookup{n}")
