@@ -666,7 +666,7 @@ def _forced_hybrid(eng, plan, prompts, ref):
     def choose(b):
         what = next(steps, "head")
         cycle[0] += 1
-        b.plan = []
+        b.plan, b.plan_head = [], what == "head"
         for r in b.rows:
             r.est_lookup.setdefault(1, eng.auto.new_estimate("lookup1"))
             i = prompts.index(list(r.req.input_ids))
@@ -692,8 +692,8 @@ def _spied_hybrid(t, head, plan, prompts, ref, eager: bool):
         eng._head_idle = lambda b, drafted: drafted == 0
     drafts, heads, real, spy = [], [0], eng._head, eng._draft_head
 
-    def draft_head(b, K):
-        d, q = spy(b, K)
+    def draft_head(b, K, forced=None):
+        d, q = spy(b, K, forced)
         drafts.append(d.tolist())
         return d, q
 
@@ -742,9 +742,9 @@ def test_a_cycle_without_the_head_leaves_rows_without_a_proposal_undrafted(llama
     heads = [0]
     real = eng._draft_head
 
-    def draft_head(b, K):
+    def draft_head(b, K, forced=None):
         heads[0] += 1
-        return real(b, K)
+        return real(b, K, forced)
     eng._draft_head = draft_head
     res = eng.generate([Request(p, SamplingParams(max_new_tokens=20)) for p in prompts])
     assert [r.output_ids for r in res] == ref
@@ -799,3 +799,77 @@ def test_rows_join_a_batch_holding_deferred_lookup_cycles(llama):
     (deferred, n_def), (eager, n_eager) = runs
     assert deferred == eager and len(deferred) >= 3
     assert n_def < n_eager  # lookup cycles ran no head forward of their own
+
+
+def test_a_short_proposal_is_spliced_with_the_head_where_the_estimates_say_it_pays():
+    """A 1-token proposal at K=3: padded, its positions 2-3 are misses; spliced, the head's
+    estimates price them. The splice is taken when lookup's first position is the likelier one,
+    and kept off (the head's own chain) when lookup's estimate is low: the estimates are the gate."""
+    auto = AutoK(FLAT, 3, calibrate=False)
+    head = [0.5, 0.5, 0.5]
+    k, use, runs_head = auto.plan_hybrid([head], [([0.9] * 3, 1)], zero_run=0)
+    assert k == 3 and use == [True] and runs_head  # E = 1 + .9 + .45 + .225 against the head's 1.875
+    k, use = auto.choose_hybrid([head], [([0.9] * 3, 1)], zero_run=0)  # padded: 1.9 at most
+    assert (k, use) != (3, [True])
+    k, use, runs_head = auto.plan_hybrid([head], [([0.1] * 3, 1)], zero_run=0)
+    assert use == [False] and runs_head and k >= 1  # lookup unlikely: the head's own chain
+    # a proposal as long as K is not spliced: the cycle can go without the head
+    k, use, runs_head = auto.plan_hybrid([[0.1] * 3], [([0.9] * 3, 3)], zero_run=0)
+    assert k == 3 and use == [True] and not runs_head
+
+
+@pytest.mark.parametrize("splice", [True, False])
+def test_spliced_chains_give_the_targets_greedy_output(monkeypatch, splice):
+    """The successor world (target x -> x+1, a head that knows it) with prompt lookup proposing
+    only the next token: spliced, the head continues the proposal past its end and whole chains
+    are accepted (it read the proposal's token); the output is the target's either way."""
+    t, head = successor_world()
+    auto = AutoK(FLAT, 3, calibrate=False)
+    auto.shared["lookup1"] = [0.95] * 3  # earlier requests found such proposals right
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=2), auto=auto, hybrid=True, splice=splice)
+    monkeypatch.setattr(eng, "_lookup", lambda r, k: ([((r.out or r.req.input_ids)[-1] + 1) % V], 1))
+    prompts = [[3, 4, 5], [20, 21], [7]]
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=16)) for p in prompts])
+    assert [r.output_ids for r in res] == [[(p[-1] + 1 + i) % V for i in range(16)] for p in prompts]
+    spliced = [c for r in res for c in r.metrics.cycles if c.source == "splice"]
+    if splice:
+        assert spliced and all(c.accepted == c.drafted == 3 for c in spliced)
+    else:
+        assert not spliced
+
+
+def _token_marginal(t, prompt: list[int], v: int, n: int) -> torch.Tensor:
+    """The target's distribution of its n-th generated token (n >= 1)."""
+    seqs, probs = torch.tensor([prompt]), torch.ones(1)
+    with torch.no_grad():
+        for step in range(n):
+            p = torch.softmax(t.model(seqs).logits[:, -1].float(), -1)              # [m, v]
+            if step == n - 1:
+                return (probs[:, None] * p).sum(0)
+            probs = (probs[:, None] * p).reshape(-1)
+            seqs = torch.cat([seqs.repeat_interleave(v, 0), torch.arange(v).repeat(len(seqs))[:, None]], 1)
+
+
+def test_spliced_chains_are_lossless_when_sampling(monkeypatch):
+    """Sampled rows whose chain is a one-token proposal (q one-hot) continued by the head's
+    sampled drafts (q its distribution after that token): the second and third tokens follow
+    the target's marginals."""
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    prompt = [4, 9, 2]
+    auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
+    auto.shared["lookup1"] = [0.9] * 3
+    eng = ReferenceEngine(t, head, 3, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
+    monkeypatch.setattr(eng, "_lookup", lambda r, k: ([5], 1))  # every row, every cycle
+    n = 3000
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
+                        for i in range(n)])
+    assert any(c.source == "splice" and c.accepted >= 1 for r in res for c in r.metrics.cycles)
+    for i in (1, 2):
+        want = _token_marginal(t, prompt, v, i + 1)
+        emp = torch.bincount(torch.tensor([r.output_ids[i] for r in res]), minlength=v).float() / n
+        tv = 0.5 * (emp - want).abs().sum().item()
+        assert tv < 0.05, f"token {i + 1}: total variation {tv:.3f} between emitted and target marginals"

@@ -35,22 +35,21 @@ def _spy_choices():
     """Record what auto predicted for each drafting cycle it chose (tokens, ms), to hold
     against what the cycle emitted and took."""
     from fastmtp_sglang.decode.auto import AutoK, expected_tokens
-    real = AutoK.choose_hybrid
+    real = AutoK.plan_hybrid
 
-    def choose_hybrid(self, heads, lookups, zero_run, deferred=0, once=0.0):
-        k, use = real(self, heads, lookups, zero_run, deferred, once)
+    def plan_hybrid(self, heads, lookups, zero_run, deferred=0, once=0.0, left=1.0, splice=True):
+        k, use, head = real(self, heads, lookups, zero_run, deferred, once, left, splice)
         if k:
-            tot, any_head = 0.0, False
+            tot = 0.0
             for h, lk, take in zip(heads, lookups, use):
-                if take:
+                if take:  # (a spliced row is counted as its padded proposal: a lower bound)
                     tot += expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 1.0
                 else:
-                    any_head = True
                     tot += expected_tokens(h, k)
-            ms = self.cycle_ms(k, len(heads), head_steps=any_head, deferred=deferred if any_head else 0, once=once)
-            CHOICES.append([len(heads), k, tot, ms, self.cycle_ms(0, len(heads)), any_head])
-        return k, use
-    AutoK.choose_hybrid = choose_hybrid
+            ms = self.cycle_ms(k, len(heads), head_steps=head, deferred=deferred if head else 0, once=once)
+            CHOICES.append([len(heads), k, tot, ms, self.cycle_ms(0, len(heads)), head])
+        return k, use, head
+    AutoK.plan_hybrid = plan_hybrid
 
 
 def run(eng, prompts, clients, requests, tokens):

@@ -120,6 +120,7 @@ class Sample:
     drafter: str = "head"       # "head" (K=0: plain decoding), "ngram" (prompt lookup) or "auto"
     drafted: list[int] | None = None  # per-cycle drafts verified (auto: the K each cycle chose)
     lookup_cycles: int = 0            # hybrid: cycles that took prompt lookup's proposal
+    splice_cycles: int = 0            # hybrid: cycles whose proposal the head continued
 
 
 def _group(samples: list[Sample], k: int, category: str | None, drafter: str = "head") -> list[Sample]:
@@ -146,6 +147,7 @@ def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
     if drafted:
         out["mean_k"] = sum(drafted) / len(drafted)
         out["lookup_share"] = sum(s.lookup_cycles for s in group) / len(drafted)
+        out["splice_share"] = sum(s.splice_cycles for s in group) / len(drafted)
     out["tokens_per_s"] = statistics.median(per_rep)
     out["tokens_per_s_repeats"] = per_rep
     out["completion_tokens"] = sum(s.completion_tokens for s in group) // repeats
@@ -329,7 +331,8 @@ def run_in_process(target, head, prompts: list[tuple[str, str, list[int]]], cfg:
                                           sum(c.verify_s for c in m.cycles), m.prefill_s, rep,
                                           drafter, [c.drafted for c in m.cycles]
                                           if drafter == "auto" else None,
-                                          sum(c.source == "lookup" for c in m.cycles)))
+                                          sum(c.source == "lookup" for c in m.cycles),
+                                          sum(c.source == "splice" for c in m.cycles)))
                     bar.update(1)
                 i += 1
     samples.sort(key=lambda s: (s.drafter, s.steps, s.category, s.prompt_id, s.repeat))
@@ -515,6 +518,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     extra_rows = ([(f"prompt lookup {k}", r) for k, r in results.get("ngram", {}).get("overall", {}).items()]
                   + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f}"
                       + (f", lookup {100 * r['lookup_share']:.0f}% of cycles" if r.get("lookup_share") else "")
+                      + (f", spliced {100 * r['splice_share']:.0f}%" if r.get("splice_share") else "")
                       + ")", r)
                      for k, r in results.get("auto", {}).get("overall", {}).items()])
     for name, r in extra_rows:

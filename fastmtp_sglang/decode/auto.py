@@ -208,16 +208,17 @@ class AutoK:
         return list(self.shared.setdefault(source, [self.prior] * self.kmax))
 
     def update(self, est: list[float], k: int, accepted: int, source: str = "head",
-               probs: list[float] | None = None) -> None:
+               probs: list[float] | None = None, first: int = 0) -> None:
         """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too.
         ``probs``: when the row was sampled, each verified position's probability of acceptance
-        (``sum_x min(p(x), q(x))``), observed in place of the 0/1 outcome."""
-        self._observe(est, k, accepted, self.alpha, probs)
+        (``sum_x min(p(x), q(x))``), observed in place of the 0/1 outcome. ``first``: the
+        source drafted from this position on (a splice: prompt lookup's tokens before it)."""
+        self._observe(est, k, accepted, self.alpha, probs, first)
         if k:
             self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
-            self._observe(shared, k, accepted, self.shared_alpha, probs)
+            self._observe(shared, k, accepted, self.shared_alpha, probs, first)
 
     def relax_estimate(self, est: list[float], source: str = "head") -> None:
         """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
@@ -237,7 +238,7 @@ class AutoK:
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float,
-                 probs: list[float] | None = None) -> None:
+                 probs: list[float] | None = None, first: int = 0) -> None:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
 
         Each verified position up to the first rejection is observed: with ``probs`` (a sampled
@@ -251,7 +252,7 @@ class AutoK:
         the deepest observed one (a head's conditional acceptances are of one size across steps:
         docs/design.md section 6.7), so a row that only ever drafted at K=1 can grow its chain
         instead of staying at its prior."""
-        for j in range(min(k, accepted + 1)):
+        for j in range(first, min(k, accepted + 1)):
             hit = probs[j] if probs is not None else (1.0 if j < accepted else 0.0)
             est[j] += alpha * (hit - est[j])
         if 0 < k == accepted < len(est):
@@ -451,49 +452,67 @@ class AutoK:
     def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
                       zero_run: int, deferred: int = 0, once: float = 0.0,
                       left: float = 1.0) -> tuple[int, list[bool]]:
-        """Hybrid drafting: K, and for each row whether it drafts with prompt lookup.
+        """Hybrid drafting without splices: K, and for each row whether it drafts with prompt
+        lookup (:meth:`plan_hybrid` with ``splice=False``)."""
+        k, use, _ = self.plan_hybrid(heads, lookups, zero_run, deferred, once, left, splice=False)
+        return k, use
+
+    def plan_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
+                    zero_run: int, deferred: int = 0, once: float = 0.0, left: float = 1.0,
+                    splice: bool = True) -> tuple[int, list[bool], bool]:
+        """Hybrid drafting: K, for each row whether its chain starts with prompt lookup's
+        proposal, and whether the cycle runs the head.
 
         ``heads``: each row's head estimate; ``lookups``: each row's (lookup estimate for its
         match length, proposal length) or None without a proposal. At each K a row takes the
-        source with more expected tokens (a proposal shorter than K is padded, so its extra
-        positions count as misses); a cycle where no row uses the head costs its verify alone
-        (the head's extend over its positions joins the catch-up of the next cycle that drafts
-        with the head, over ``deferred`` positions, its price spread over the ``left`` cycles
-        the rows have: :meth:`_head_share`). A cycle may also go without the head while
-        some rows have no proposal: those verify nothing (True in the returned list for every
-        row; the engine knows a row without a proposal by its empty one). A cycle that runs the
-        head also pays its share ``once`` of the head's first reading of prompts
-        (:meth:`once_ms`)."""
+        source with more expected tokens. In a cycle that runs the head, a proposal shorter than
+        K is continued by the head past its end (``splice``: the chain is the proposal, then the
+        head's drafts from there on, priced with lookup's estimates up to the proposal's end and
+        the head's after it); otherwise it is padded, its extra positions counted as misses.
+        The estimates are the gate: a splice is taken only where its expected tokens beat the
+        head's own chain and the cycle's price, so where lookup's estimate is low it stays off.
+
+        A cycle where no row uses the head costs its verify alone (the head's extend over its
+        positions joins the catch-up of the next cycle that drafts with the head, over
+        ``deferred`` positions, its price spread over the ``left`` cycles the rows have:
+        :meth:`_head_share`). A cycle may also go without the head while some rows have no
+        proposal: those verify nothing (True in the returned list for every row; the engine
+        knows a row without a proposal by its empty one). A cycle that runs the head also pays
+        its share ``once`` of the head's first reading of prompts (:meth:`once_ms`)."""
         B = len(heads)
-        best = (B / self.cycle_ms(0, B) * (1.0 + self.margin_at(B)), 0, [False] * B)  # K=0: a token per row
+        best = (B / self.cycle_ms(0, B) * (1.0 + self.margin_at(B)), 0, [False] * B, False)  # K=0
         for k in range(1, self.kmax + 1):
-            total, use, any_head = 0.0, [], False
+            total, use, head = 0.0, [], False
             els = [expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 0.0
                    for lk in lookups]
-            for h, el in zip(heads, els):
+            for h, el, lk in zip(heads, els, lookups):
                 eh = expected_tokens(h, k)
+                if splice and el and lk[1] < k:  # the head continues past the proposal's end
+                    el = expected_tokens(lk[0][:lk[1]] + h[lk[1]:k], k)
                 take = el > eh
                 use.append(take)
-                any_head |= not take
+                head |= not take or (splice and lk[1] < k)
                 total += el if take else eh
             # without head steps: the verify only (no draft steps, no extend, no catch-up yet)
-            ms = self.cycle_ms(k, B, head_steps=any_head,
+            ms = self.cycle_ms(k, B, head_steps=head,
                                once=self._head_share(once, deferred, B, left, total / B))
             if total / ms > best[0]:
-                best = (total / ms, k, use)
-            if any_head and any(els):
-                # or no head at all: rows with a proposal take it, the others verify nothing
-                # this cycle (one token, as at K=0), so the cycle costs its verify alone (as the
-                # prompt-lookup arm's cycles do; at 2 rows the head's share decided against it)
+                best = (total / ms, k, use, head)
+            if head and any(els):
+                # or no head at all: rows with a proposal take it (padded), the others verify
+                # nothing this cycle (one token, as at K=0), so the cycle costs its verify alone
+                # (as the prompt-lookup arm's cycles do; at 2 rows the head's share decided
+                # against it)
                 free = sum(el or 1.0 for el in els)
                 ms = self.cycle_ms(k, B, head_steps=False)
                 if free / ms > best[0]:
-                    best = (free / ms, k, [True] * B)  # (a row without a proposal: nothing)
-        _, k, use = best
+                    best = (free / ms, k, [True] * B, False)  # (a row without a proposal: nothing)
+        _, k, use, head = best
         if k == 0 and self.probe_due(heads, zero_run, deferred, once):
-            return 1, [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
-                       for h, lk in zip(heads, lookups)]
-        return k, use
+            use = [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
+                   for h, lk in zip(heads, lookups)]
+            return 1, use, not all(use)
+        return k, use, head
 
     def choose(self, ests: list[list[float]], zero_run: int, deferred: int = 0, once: float = 0.0,
                left: float = 1.0) -> int:

@@ -39,12 +39,16 @@ class AutoSpec:
         Weight of a cycle in a request's moving acceptance estimate, in (0, 1].
     probe_every : int
         Cycles at K=0 before the controller may draft once at K=1 to look again, >= 1.
+    splice : bool
+        ``hybrid``: in a cycle that runs the head, a prompt-lookup proposal shorter than K is
+        continued by the head past its end where the estimates say that pays (else padded).
     """
 
     max_steps: int | None = None
     drafter: str = "hybrid"
     alpha: float = 0.2
     probe_every: int = 8
+    splice: bool = True
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -74,12 +78,17 @@ class AutoSpec:
         p.add_argument("--auto-probe-every", type=int, default=AutoSpec.probe_every,
                        help=f"{scope}: cycles at K=0 before one cycle drafts at K=1 to look again "
                             f"(default {AutoSpec.probe_every})")
+        p.add_argument("--auto-splice", choices=("on", "off"), default="on",
+                       help=f"{scope}, hybrid: continue a prompt-lookup proposal shorter than K with "
+                            "the head's drafts past its end where the estimates say it pays (on, "
+                            "default), or pad it")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "AutoSpec":
         """The AutoSpec the ``--auto-*`` flags ask for; FastMTPError naming the flag when one is off."""
         try:
-            return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every)
+            return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every,
+                       getattr(args, "auto_splice", "on") == "on")
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
 
@@ -150,7 +159,7 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
                            auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every),
-                           hybrid=hybrid)
+                           hybrid=hybrid, splice=spec.splice)
 
 
 def describe(spec: AutoSpec, kmax: int) -> str:
@@ -158,4 +167,5 @@ def describe(spec: AutoSpec, kmax: int) -> str:
     why = ("--auto-max-steps" if spec.max_steps is not None else
            f"the deepest K that pays on this machine's measured costs for drafts accepted "
            f"{ACCEPT_BOUND:.0%} of the time, at most {AUTO_CEILING}")
-    return f"K in 0..{kmax} per cycle ({why}); drafter {spec.drafter}"
+    return (f"K in 0..{kmax} per cycle ({why}); drafter {spec.drafter}"
+            + (", splices on" if spec.drafter == "hybrid" and spec.splice else ""))

@@ -85,6 +85,7 @@ class Batch:
         self.engine = engine
         self.use_head = bool(K) and (engine.drafter is None or engine.hybrid)
         self.plan: list[tuple[bool, int, list[int]]] = []  # hybrid: (lookup?, match n, proposal) per row
+        self.plan_head = False  # hybrid: this cycle runs the head (head rows, or splices)
         self.rows = [Row(r, k, K, dev) for r, k in zip(requests, keys)]
         if engine.auto is not None:
             for row in self.rows:

@@ -95,6 +95,8 @@ class ReferenceEngine(AutoDrafting):
     hybrid : with ``auto``, a ``head`` and a ``drafter``: every cycle each row drafts with the
         head or takes the drafter's proposal, whichever has more expected accepted tokens
         (prompt lookup's estimates are kept per length of the suffix it matched)
+    splice : hybrid: in a cycle that runs the head, a row whose prompt-lookup proposal is shorter
+        than K may continue it with the head's drafts past its end (AutoK.plan_hybrid prices it)
     packed : "auto" (default; bf16 on a CPU with native bf16), "on" or "off": run the target's
         and the head's linear layers on prepared oneDNN weights; None reads FASTMTP_PACKED_LINEAR
     lean : "auto" (default: where the model is covered) or "off": the target's forward through
@@ -103,7 +105,7 @@ class ReferenceEngine(AutoDrafting):
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
                  draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
-                 packed: str | None = None, lean: str | None = None):
+                 packed: str | None = None, lean: str | None = None, splice: bool = True):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
@@ -112,7 +114,7 @@ class ReferenceEngine(AutoDrafting):
         self.auto = auto  # fastmtp_sglang.decode.auto.AutoK: K chosen per cycle, or None = steps
         if hybrid and (auto is None or head is None or drafter is None):
             raise ValueError("hybrid drafting needs auto, a head and a drafter")
-        self.hybrid = hybrid
+        self.hybrid, self.splice = hybrid, splice
         if steps > 0 and head is None and drafter is None:
             raise ValueError("steps > 0 needs a draft head (or a drafter such as NgramDrafter)")
         self.drafter = drafter  # fastmtp_sglang.decode.ngram.NgramDrafter: drafts without a model
@@ -239,7 +241,7 @@ class ReferenceEngine(AutoDrafting):
         t_draft = self.clock() - t
         t = self.clock()
         room = room.clamp(max=Kc)                          # drafts each row may accept
-        if self.hybrid and Kc:  # a row with no proposal in a cycle without the head: nothing
+        if self.hybrid and Kc and not b.plan_head:  # a row with no proposal in a cycle without the head: nothing
             none = [j for j, (take, _, toks) in enumerate(b.plan) if take and not toks]
             if none:
                 room[none] = 0
@@ -344,20 +346,24 @@ class ReferenceEngine(AutoDrafting):
             drafts, qs = self._draft_head(b, K)
         return drafts, qs, Kc
 
-    def _draft_head(self, b: Batch, K: int) -> tuple[torch.Tensor, list]:
-        """K recursive head steps for every live row: (drafts [n, K], q per step or None)."""
+    def _draft_head(self, b: Batch, K: int, forced: list[list[int]] | None = None
+                    ) -> tuple[torch.Tensor, list]:
+        """K recursive head steps for every live row: (drafts [n, K], q per step or None).
+        ``forced``: per row, tokens that take the first positions of its chain in place of the
+        head's picks (a splice; the head's later steps read them); their q is the caller's."""
         drafts = torch.empty(len(b), K, dtype=torch.long, device=self.device)
         qs: list = []
         self._catch_up(b)
-        d, q = b.draft_pick(b.g)
-        drafts[:, 0] = d
-        qs.append(q)
-        for k in range(2, K + 1):
-            pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
-            g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
-            b.g = g[:, 0]
+        over = None
+        if forced is not None and any(forced):
+            over = torch.tensor([(t[:K] + [-1] * K)[:K] for t in forced], device=self.device)  # -1: the head's
+        for k in range(1, K + 1):
+            if k > 1:
+                pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
+                g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
+                b.g = g[:, 0]
             d, q = b.draft_pick(b.g)
-            drafts[:, k - 1] = d
+            drafts[:, k - 1] = d if over is None else torch.where(over[:, k - 1] >= 0, over[:, k - 1], d)
             qs.append(q)
         return drafts, qs
 
@@ -452,17 +458,22 @@ class ReferenceEngine(AutoDrafting):
         for j, r in enumerate(b.rows):
             k = drafted[j]
             took_lookup = self.hybrid and Kc > 0 and b.plan[j][0] and b.plan[j][1] > 0
+            # a splice: the proposal's L tokens, then the head's drafts from position L + 1 on
+            L = len(b.plan[j][2]) if took_lookup and b.plan_head and len(b.plan[j][2]) < k else k
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
-                                             source="lookup" if took_lookup else ""))
+                                             source=("splice" if L < k else "lookup") if took_lookup else ""))
             if self.auto is not None:
-                # the source that drafted learns from the cycle; the row's other estimates
-                # move back towards the shared ones (AutoK.relax_estimate)
+                # the source that drafted learns from the cycle (a splice: lookup up to its
+                # proposal's end, the head after it when the chain got that far); the row's
+                # other estimates move back towards the shared ones (AutoK.relax_estimate)
                 m = b.plan[j][1] if took_lookup else 0
                 probs = b.accept_probs[j] if b.accept_probs is not None else None
                 if took_lookup:
-                    self.auto.update(r.est_lookup[m], k, acc_l[j], f"lookup{m}", probs)
-                if took_lookup or not k:
+                    self.auto.update(r.est_lookup[m], L, min(acc_l[j], L), f"lookup{m}", probs)
+                if L < k and acc_l[j] >= L:
+                    self.auto.update(r.est, k, acc_l[j], probs=probs, first=L)
+                elif took_lookup or not k:
                     self.auto.relax_estimate(r.est)
                 else:
                     self.auto.update(r.est, k, acc_l[j], probs=probs)

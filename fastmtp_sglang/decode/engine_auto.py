@@ -45,7 +45,7 @@ class AutoDrafting:
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
             # proposals (their cost: docs/design.md section 6.8, "The margin grows with the batch")
-            b.plan = [(False, 0, [])] * len(rows)
+            b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
@@ -53,8 +53,8 @@ class AutoDrafting:
             if m and m not in r.est_lookup:
                 r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
             looks.append((r.est_lookup[m], len(toks)) if m else None)
-        K, use = self.auto.choose_hybrid([r.est for r in rows], looks, b.zero_run,
-                                         b.deferred_positions(), once, left)
+        K, use, b.plan_head = self.auto.plan_hybrid([r.est for r in rows], looks, b.zero_run,
+                                                    b.deferred_positions(), once, left, self.splice)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
 
@@ -84,29 +84,33 @@ class AutoDrafting:
         return self.auto.once_ms(sum(n for n, _ in unread), statistics.median(left for _, left in unread))
 
     def _draft_hybrid(self, b: Batch, K: int) -> tuple[torch.Tensor, list, int]:
-        """Head drafts for the rows that want them (the chain runs for the batch when any row
-        does), prompt lookup's proposal (padded to K) for the others, per ``b.plan``."""
+        """Per ``b.plan``: head drafts for the rows that want them, prompt lookup's proposal for
+        the others. In a cycle that runs the head (``b.plan_head``) a proposal shorter than K is
+        continued by the head past its end (a splice: the head's steps read the proposal's
+        tokens); without the head it is padded to K."""
         n = len(b)
         if K == 0:
             return torch.empty(n, 0, dtype=torch.long, device=self.device), [], 0
         lookup = [take for take, _, _ in b.plan]
-        if all(lookup):
+        fixed = torch.zeros(n, K, dtype=torch.bool, device=self.device)  # positions lookup proposed
+        if not b.plan_head:
             drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
             qs: list = [None] * K
+            for j, (take, _, toks) in enumerate(b.plan):
+                if take:  # (no proposal: this row verifies nothing, see step; any token will do)
+                    pad = toks or [int(b.pending[j])]
+                    drafts[j] = torch.tensor((pad + [pad[-1]] * K)[:K], device=self.device)
+                    fixed[j] = True
         else:
-            drafts, qs = self._draft_head(b, K)
-        for j, (take, _, toks) in enumerate(b.plan):
-            if take:  # (no proposal: this row verifies nothing, see step; any token will do)
-                pad = toks or [int(b.pending[j])]
-                drafts[j] = torch.tensor((pad + [pad[-1]] * K)[:K], device=self.device)
+            forced = [toks if take else [] for take, _, toks in b.plan]
+            for j, toks in enumerate(forced):
+                fixed[j, : len(toks)] = True
+            drafts, qs = self._draft_head(b, K, forced)
         if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
             V = self.target.lm_head.weight.shape[0]
-            if all(lookup):
-                qs = list(torch.nn.functional.one_hot(drafts, V).float().unbind(1))
-            else:
-                rows = torch.tensor([j for j, t in enumerate(lookup) if t], device=self.device)
-                one = torch.nn.functional.one_hot(drafts[rows], V).float()      # [r, K, V]
-                qs = [q.index_copy(0, rows, one[:, k]) for k, q in enumerate(qs)]
+            one = torch.nn.functional.one_hot(drafts, V).float()                   # [n, K, V]
+            qs = [one[:, k] if q is None else torch.where(fixed[:, k, None], one[:, k], q)
+                  for k, q in enumerate(qs)]
         return drafts, qs, K
 
     def _head_idle(self, b: Batch, drafted: int) -> bool:
@@ -114,7 +118,7 @@ class AutoDrafting:
         lookup)? Its draft extend then waits for the head's next drafting cycle."""
         if self.auto is None:
             return False
-        return drafted == 0 or (self.hybrid and all(take for take, _, _ in b.plan))
+        return drafted == 0 or (self.hybrid and not b.plan_head)
 
     def _head_prompts(self, b: Batch) -> None:
         """auto: the head's draft extend over the prompts of rows that have not needed the head

@@ -18,7 +18,7 @@ class CycleLog:
     draft_s: float = 0.0
     verify_s: float = 0.0
     drafted: int | None = None  # drafts verified this cycle (differs from the engine's K under auto)
-    source: str = ""            # hybrid: "lookup" when the row took prompt lookup's proposal
+    source: str = ""            # hybrid: "lookup" when the row took prompt lookup's proposal, "splice" when the head continued it
 
 
 @dataclass
