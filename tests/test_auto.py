@@ -692,8 +692,8 @@ def _spied_hybrid(t, head, plan, prompts, ref, eager: bool):
         eng._head_idle = lambda b, drafted: drafted == 0
     drafts, heads, real, spy = [], [0], eng._head, eng._draft_head
 
-    def draft_head(b, K, forced=None):
-        d, q = spy(b, K, forced)
+    def draft_head(b, K, *splices):
+        d, q = spy(b, K, *splices)
         drafts.append(d.tolist())
         return d, q
 
@@ -742,9 +742,9 @@ def test_a_cycle_without_the_head_leaves_rows_without_a_proposal_undrafted(llama
     heads = [0]
     real = eng._draft_head
 
-    def draft_head(b, K, forced=None):
+    def draft_head(b, K, *splices):
         heads[0] += 1
-        return real(b, K, forced)
+        return real(b, K, *splices)
     eng._draft_head = draft_head
     res = eng.generate([Request(p, SamplingParams(max_new_tokens=20)) for p in prompts])
     assert [r.output_ids for r in res] == ref
@@ -868,6 +868,64 @@ def test_spliced_chains_are_lossless_when_sampling(monkeypatch):
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
                         for i in range(n)])
     assert any(c.source == "splice" and c.accepted >= 1 for r in res for c in r.metrics.cycles)
+    for i in (1, 2):
+        want = _token_marginal(t, prompt, v, i + 1)
+        emp = torch.bincount(torch.tensor([r.output_ids[i] for r in res]), minlength=v).float() / n
+        tv = 0.5 * (emp - want).abs().sum().item()
+        assert tv < 0.05, f"token {i + 1}: total variation {tv:.3f} between emitted and target marginals"
+
+
+def test_a_head_row_follows_a_proposal_that_agrees_where_lookup_is_likelier():
+    auto = AutoK(FLAT, 3, calibrate=False)
+    head = [0.5, 0.5, 0.5]
+    assert auto.follows(head, [0.5, 0.9, 0.9], 3, 3)        # 1 + .9 + .81 against 1 + .5 + .25
+    assert not auto.follows(head, [0.5, 0.2, 0.2], 3, 3)
+    assert not auto.follows(head, [0.5, 0.9, 0.9], 1, 3)    # nothing after the first token
+    assert not auto.follows(head, [0.5, 0.9, 0.9], 3, 1)    # K=1: nothing after it either
+
+
+def test_the_heads_first_draft_continued_by_an_agreeing_proposal(monkeypatch):
+    """Successor world, head rows (lookup's first position unlikely, its later ones likely):
+    where the head's first draft equals the proposal's first token, the proposal takes the
+    positions after it (here wrong, so one draft is accepted where the head alone gets three);
+    where they disagree, the head's chain stands. Output: the target's either way."""
+    t, head = successor_world()
+    auto = AutoK(FLAT, 3, calibrate=False)
+    auto.shared["lookup3"] = [0.1, 0.95, 0.95]
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3), auto=auto, hybrid=True)
+
+    def lookup(r, k):
+        x = (r.out or r.req.input_ids)[-1]
+        agree = r.req.input_ids[0] == 3  # row A: right first token, wrong after; row B: wrong first
+        return ([(x + 1) % V, (x + 9) % V, (x + 9) % V] if agree else [(x + 5) % V] * 3), 3
+    monkeypatch.setattr(eng, "_lookup", lookup)
+    prompts = [[3, 4, 5], [20, 21]]
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=16)) for p in prompts])
+    assert [r.output_ids for r in res] == [[(p[-1] + 1 + i) % V for i in range(16)] for p in prompts]
+    a, b = ([c for c in r.metrics.cycles if c.drafted] for r in res)
+    spliced = [c for c in a if c.source == "splice"]
+    assert spliced and all(c.accepted == 1 for c in spliced)
+    assert all(c.source == "" and c.accepted == c.drafted for c in b)
+
+
+def test_an_agreeing_proposal_after_the_heads_sampled_draft_is_lossless(monkeypatch):
+    """Sampled head rows whose second and third positions become prompt lookup's tokens (q
+    one-hot) when the head's sampled first draft equals the proposal's first token, and stay the
+    head's draws otherwise: the second and third tokens follow the target's marginals."""
+    v = 12
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    prompt = [4, 9, 2]
+    auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
+    auto.shared["lookup3"] = [0.05, 0.95, 0.95]  # head rows, that follow an agreeing proposal
+    eng = ReferenceEngine(t, head, 3, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
+    monkeypatch.setattr(eng, "_lookup", lambda r, k: ([4, 5, 6], 3))  # 4: the head's draw ~1 time in 4
+    n = 3000
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
+                        for i in range(n)])
+    assert sum(c.source == "splice" for r in res for c in r.metrics.cycles) > n // 10
     for i in (1, 2):
         want = _token_marginal(t, prompt, v, i + 1)
         emp = torch.bincount(torch.tensor([r.output_ids[i] for r in res]), minlength=v).float() / n

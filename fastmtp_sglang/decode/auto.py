@@ -457,6 +457,15 @@ class AutoK:
         k, use, _ = self.plan_hybrid(heads, lookups, zero_run, deferred, once, left, splice=False)
         return k, use
 
+    def follows(self, head: list[float], lookup: list[float], length: int, k: int) -> bool:
+        """A head row with a prompt-lookup proposal of ``length`` tokens, at K = ``k``: should
+        the proposal's tokens take positions 2.. when the head's first draft equals its first
+        token (the head's prefix continued by a match that agrees with it)? Yes where lookup's
+        estimates of those positions promise more tokens than the head's own. Not priced into the
+        plan: the agreement is only known once the head has drafted, and it costs nothing more."""
+        n = min(length, k)
+        return n > 1 and expected_tokens(lookup[1:n], n - 1) > expected_tokens(head[1:k], n - 1)
+
     def plan_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
                     zero_run: int, deferred: int = 0, once: float = 0.0, left: float = 1.0,
                     splice: bool = True) -> tuple[int, list[bool], bool]:

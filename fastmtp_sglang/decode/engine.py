@@ -346,17 +346,21 @@ class ReferenceEngine(AutoDrafting):
             drafts, qs = self._draft_head(b, K)
         return drafts, qs, Kc
 
-    def _draft_head(self, b: Batch, K: int, forced: list[list[int]] | None = None
-                    ) -> tuple[torch.Tensor, list]:
+    def _draft_head(self, b: Batch, K: int, forced: list[list[int]] | None = None,
+                    follow: list[list[int]] | None = None) -> tuple[torch.Tensor, list]:
         """K recursive head steps for every live row: (drafts [n, K], q per step or None).
-        ``forced``: per row, tokens that take the first positions of its chain in place of the
-        head's picks (a splice; the head's later steps read them); their q is the caller's."""
-        drafts = torch.empty(len(b), K, dtype=torch.long, device=self.device)
+        Splices (hybrid): ``forced``, per row, tokens that take the first positions of its chain
+        in place of the head's picks; ``follow``, per row, a proposal whose tokens take positions
+        2.. when the head's first draft equals its first token. The head's later steps read
+        whatever the chain holds; ``b.fixed`` marks the positions that are not the head's picks
+        (their q is the caller's), None when there are none."""
+        n = len(b)
+        drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
         qs: list = []
         self._catch_up(b)
-        over = None
-        if forced is not None and any(forced):
-            over = torch.tensor([(t[:K] + [-1] * K)[:K] for t in forced], device=self.device)  # -1: the head's
+        over = None  # per position, the token that takes it, or -1 for the head's pick
+        if (forced and any(forced)) or (follow and any(follow)):
+            over = torch.tensor([(t[:K] + [-1] * K)[:K] for t in (forced or [[]] * n)], device=self.device)
         for k in range(1, K + 1):
             if k > 1:
                 pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
@@ -364,7 +368,14 @@ class ReferenceEngine(AutoDrafting):
                 b.g = g[:, 0]
             d, q = b.draft_pick(b.g)
             drafts[:, k - 1] = d if over is None else torch.where(over[:, k - 1] >= 0, over[:, k - 1], d)
+            if k == 1 and K > 1 and follow and any(follow):
+                first = drafts[:, 0].tolist()
+                for j, t in enumerate(follow):
+                    if len(t) > 1 and first[j] == t[0] and over[j, 0] < 0:  # they agree: lookup goes on
+                        m = min(len(t), K)
+                        over[j, 1:m] = torch.tensor(t[1:m], device=self.device)
             qs.append(q)
+        b.fixed = None if over is None else over >= 0
         return drafts, qs
 
     def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
@@ -457,29 +468,32 @@ class ReferenceEngine(AutoDrafting):
         b.zero_run = b.zero_run + 1 if Kc == 0 else 0
         for j, r in enumerate(b.rows):
             k = drafted[j]
-            took_lookup = self.hybrid and Kc > 0 and b.plan[j][0] and b.plan[j][1] > 0
-            # a splice: the proposal's L tokens, then the head's drafts from position L + 1 on
-            L = len(b.plan[j][2]) if took_lookup and b.plan_head and len(b.plan[j][2]) < k else k
+            # the chain's sources: positions < c from the first, the rest from the second (a
+            # splice: lookup's proposal continued by the head, or the head's first draft
+            # continued by lookup's proposal where the two agreed on it)
+            first, c, m = self._chain_sources(b, j, k, Kc)
+            second = "head" if first == "lookup" else "lookup"
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
-                                             source=("splice" if L < k else "lookup") if took_lookup else ""))
+                                             source="splice" if c < k else "lookup" if first == "lookup" else ""))
             if self.auto is not None:
-                # the source that drafted learns from the cycle (a splice: lookup up to its
-                # proposal's end, the head after it when the chain got that far); the row's
-                # other estimates move back towards the shared ones (AutoK.relax_estimate)
-                m = b.plan[j][1] if took_lookup else 0
+                # the sources that drafted learn from the cycle, each at its own positions; the
+                # row's other estimates move back towards the shared ones (AutoK.relax_estimate)
                 probs = b.accept_probs[j] if b.accept_probs is not None else None
-                if took_lookup:
-                    self.auto.update(r.est_lookup[m], L, min(acc_l[j], L), f"lookup{m}", probs)
-                if L < k and acc_l[j] >= L:
-                    self.auto.update(r.est, k, acc_l[j], probs=probs, first=L)
-                elif took_lookup or not k:
+                est = {"head": r.est, "lookup": r.est_lookup.get(m)}
+                name = {"head": "head", "lookup": f"lookup{m}"}
+                seen = set()
+                if k:
+                    self.auto.update(est[first], c, min(acc_l[j], c), name[first], probs)
+                    seen.add(first)
+                if c < k and acc_l[j] >= c:
+                    self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c)
+                    seen.add(second)
+                if "head" not in seen:
                     self.auto.relax_estimate(r.est)
-                else:
-                    self.auto.update(r.est, k, acc_l[j], probs=probs)
-                for n, est in r.est_lookup.items():
-                    if n != m:
-                        self.auto.relax_estimate(est, f"lookup{n}")
+                for n_, e in r.est_lookup.items():
+                    if not ("lookup" in seen and n_ == m):
+                        self.auto.relax_estimate(e, f"lookup{n_}")
             self._emit(r, em_l[j][: acc_l[j] + 1], on_tokens)
             # the new pending token sits at pos + acc + 1: the context is full when it is the last
             if r.finish is None and int(b.pos[j]) + acc_l[j] + 2 >= self.max_context:

@@ -1,7 +1,8 @@
 """The parts of ReferenceEngine's cycle that ``auto``, ``hybrid`` and a model-free drafter add
 (decode/engine.py runs the cycle itself): each cycle's K and each row's draft source, prompt
-lookup's proposals, and the head's work that auto defers, done when the head next drafts: its
-reading of the prompts and its draft extend over the cycles that ran without it.
+lookup's proposals (continued by the head past their end where that pays: a splice), and the
+head's work that auto defers, done when the head next drafts: its reading of the prompts and its
+draft extend over the cycles that ran without it.
 
 :class:`AutoDrafting` is a mixin of :class:`fastmtp_sglang.decode.engine.ReferenceEngine`: its
 methods read the engine's attributes (``auto``, ``hybrid``, ``drafter``, ``steps``, ``head``,
@@ -45,7 +46,7 @@ class AutoDrafting:
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
             # proposals (their cost: docs/design.md section 6.8, "The margin grows with the batch")
-            b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
+            b.plan, b.plan_head, b.follow = [(False, 0, [])] * len(rows), False, []
             return 0
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
@@ -56,6 +57,10 @@ class AutoDrafting:
         K, use, b.plan_head = self.auto.plan_hybrid([r.est for r in rows], looks, b.zero_run,
                                                     b.deferred_positions(), once, left, self.splice)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
+        # head rows whose proposal goes on after the head's first draft where the two agree on it
+        b.follow = [self.splice and b.plan_head and not take and m > 0
+                    and self.auto.follows(r.est, r.est_lookup[m], len(toks), K)
+                    for r, take, (toks, m) in zip(rows, use, props)]
         return K
 
     @staticmethod
@@ -91,8 +96,8 @@ class AutoDrafting:
         n = len(b)
         if K == 0:
             return torch.empty(n, 0, dtype=torch.long, device=self.device), [], 0
-        lookup = [take for take, _, _ in b.plan]
         fixed = torch.zeros(n, K, dtype=torch.bool, device=self.device)  # positions lookup proposed
+        b.fixed = None
         if not b.plan_head:
             drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
             qs: list = [None] * K
@@ -103,15 +108,32 @@ class AutoDrafting:
                     fixed[j] = True
         else:
             forced = [toks if take else [] for take, _, toks in b.plan]
-            for j, toks in enumerate(forced):
-                fixed[j, : len(toks)] = True
-            drafts, qs = self._draft_head(b, K, forced)
-        if not b.greedy and any(lookup):  # a deterministic proposal: q one-hot at its tokens
+            follow = [toks if f else [] for f, (_, _, toks) in zip(b.follow, b.plan)] if any(b.follow) else None
+            drafts, qs = self._draft_head(b, K, forced, follow)
+            if b.fixed is not None:
+                fixed = b.fixed
+        if not b.greedy and bool(fixed.any()):  # a deterministic proposal: q one-hot at its tokens
             V = self.target.lm_head.weight.shape[0]
             one = torch.nn.functional.one_hot(drafts, V).float()                   # [n, K, V]
             qs = [one[:, k] if q is None else torch.where(fixed[:, k, None], one[:, k], q)
                   for k, q in enumerate(qs)]
         return drafts, qs, K
+
+    def _chain_sources(self, b: Batch, j: int, k: int, Kc: int) -> tuple[str, int, int]:
+        """Row ``j``'s chain of ``k`` drafts this cycle: (the source of its first ``c``
+        positions, ``c``, prompt lookup's match length m); positions c.. came from the other
+        source (a splice). "lookup" first: its proposal, continued by the head past its end in a
+        cycle that ran the head; "head" first with c = 1: the head's first draft agreed with the
+        proposal, which took the positions after it (``b.follow``, ``b.fixed``)."""
+        if not self.hybrid or not Kc:
+            return "head", k, 0
+        take, m, toks = b.plan[j]
+        if take and m > 0:
+            return "lookup", (len(toks) if b.plan_head and len(toks) < k else k), m
+        if (b.follow and b.follow[j] and b.fixed is not None and k > 1
+                and bool(b.fixed[j, 1:k].any())):
+            return "head", 1, m
+        return "head", k, m
 
     def _head_idle(self, b: Batch, drafted: int) -> bool:
         """auto: did this cycle run without the head (K=0, or hybrid with every row on prompt
