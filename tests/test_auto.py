@@ -122,6 +122,16 @@ def second_token_marginal(t, prompt: list[int], v: int) -> torch.Tensor:
         return p1 @ p2
 
 
+def peaky_world(v: int):
+    """A tiny target with ``v`` tokens and a random head whose distributions are peaked (its
+    final norm scaled up), so its sampled drafts are accepted often enough to test with."""
+    t = tiny_target("llama", seed=5, vocab=v)
+    head = random_head(t, "deepseek", seed=9)
+    with torch.no_grad():
+        head.final_norm.weight.mul_(4.0)
+    return t, head
+
+
 @pytest.fixture(scope="module")
 def llama():
     t = tiny_target("llama")
@@ -178,10 +188,7 @@ def test_auto_sampled_tokens_follow_the_target():
     """Lossless sampling with K chosen per cycle: the first verified token follows the target's
     marginal (as tests/test_engine.py checks at fixed K)."""
     v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
+    t, head = peaky_world(v)
     prompt = [4, 9, 2]
     want = second_token_marginal(t, prompt, v)
     n = 3000
@@ -201,10 +208,7 @@ def test_the_engine_hands_auto_each_positions_chance_of_acceptance(monkeypatch):
     there; over many rows its mean matches how often the drafts were accepted. Greedy: the
     outcomes themselves (no probabilities)."""
     v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
+    t, head = peaky_world(v)
     seen = []
     real = AutoK.update
     monkeypatch.setattr(AutoK, "update", lambda self, est, k, acc, source="head", probs=None:
@@ -265,10 +269,7 @@ def test_hybrid_takes_prompt_lookup_where_it_is_right():
 
 def test_hybrid_sampled_tokens_follow_the_target():
     v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
+    t, head = peaky_world(v)
     prompt = [4, 9, 2, 4, 9]  # lookup proposes "2 ..." after "4 9"
     want = second_token_marginal(t, prompt, v)
     n = 3000
@@ -850,29 +851,34 @@ def _token_marginal(t, prompt: list[int], v: int, n: int) -> torch.Tensor:
             seqs = torch.cat([seqs.repeat_interleave(v, 0), torch.arange(v).repeat(len(seqs))[:, None]], 1)
 
 
-def test_spliced_chains_are_lossless_when_sampling(monkeypatch):
-    """Sampled rows whose chain is a one-token proposal (q one-hot) continued by the head's
-    sampled drafts (q its distribution after that token): the second and third tokens follow
-    the target's marginals."""
+def _sampled_splices(monkeypatch, shared: list[float], proposal: list[int], n: int = 3000):
+    """``n`` sampled rows of one prompt on a tiny target and random head, hybrid at K=3, prompt
+    lookup proposing ``proposal`` every cycle (its match length: its length) with the shared
+    estimate ``shared`` for it. Asserts the second and third tokens follow the target's
+    marginals; returns the results."""
     v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
+    t, head = peaky_world(v)
     prompt = [4, 9, 2]
     auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
-    auto.shared["lookup1"] = [0.9] * 3
+    auto.shared[f"lookup{len(proposal)}"] = shared
     eng = ReferenceEngine(t, head, 3, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
-    monkeypatch.setattr(eng, "_lookup", lambda r, k: ([5], 1))  # every row, every cycle
-    n = 3000
+    monkeypatch.setattr(eng, "_lookup", lambda r, k: (list(proposal), len(proposal)))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
                         for i in range(n)])
-    assert any(c.source == "splice" and c.accepted >= 1 for r in res for c in r.metrics.cycles)
     for i in (1, 2):
         want = _token_marginal(t, prompt, v, i + 1)
         emp = torch.bincount(torch.tensor([r.output_ids[i] for r in res]), minlength=v).float() / n
         tv = 0.5 * (emp - want).abs().sum().item()
         assert tv < 0.05, f"token {i + 1}: total variation {tv:.3f} between emitted and target marginals"
+    return res
+
+
+def test_spliced_chains_are_lossless_when_sampling(monkeypatch):
+    """Sampled rows whose chain is a one-token proposal (q one-hot) continued by the head's
+    sampled drafts (q its distribution after that token): the second and third tokens follow
+    the target's marginals."""
+    res = _sampled_splices(monkeypatch, [0.9] * 3, [5])
+    assert any(c.source == "splice" and c.accepted >= 1 for r in res for c in r.metrics.cycles)
 
 
 def test_a_head_row_follows_a_proposal_that_agrees_where_lookup_is_likelier():
@@ -912,22 +918,7 @@ def test_an_agreeing_proposal_after_the_heads_sampled_draft_is_lossless(monkeypa
     """Sampled head rows whose second and third positions become prompt lookup's tokens (q
     one-hot) when the head's sampled first draft equals the proposal's first token, and stay the
     head's draws otherwise: the second and third tokens follow the target's marginals."""
-    v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
-    prompt = [4, 9, 2]
-    auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
-    auto.shared["lookup3"] = [0.05, 0.95, 0.95]  # head rows, that follow an agreeing proposal
-    eng = ReferenceEngine(t, head, 3, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
-    monkeypatch.setattr(eng, "_lookup", lambda r, k: ([4, 5, 6], 3))  # 4: the head's draw ~1 time in 4
-    n = 3000
-    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
-                        for i in range(n)])
-    assert sum(c.source == "splice" for r in res for c in r.metrics.cycles) > n // 10
-    for i in (1, 2):
-        want = _token_marginal(t, prompt, v, i + 1)
-        emp = torch.bincount(torch.tensor([r.output_ids[i] for r in res]), minlength=v).float() / n
-        tv = 0.5 * (emp - want).abs().sum().item()
-        assert tv < 0.05, f"token {i + 1}: total variation {tv:.3f} between emitted and target marginals"
+    # lookup's first position unlikely, its later ones likely: head rows that follow an agreeing
+    # proposal; 4 is the head's first draw about one time in four
+    res = _sampled_splices(monkeypatch, [0.05, 0.95, 0.95], [4, 5, 6])
+    assert sum(c.source == "splice" for r in res for c in r.metrics.cycles) > len(res) // 10
