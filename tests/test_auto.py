@@ -11,7 +11,7 @@ import torch
 import fastmtp_sglang.decode.engine as engine_mod
 from fastmtp_sglang.decode.auto import AutoK, StepCosts, expected_tokens
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
-from fastmtp_sglang.decode.ngram import NgramDrafter
+from fastmtp_sglang.decode.ngram import NgramDrafter, NgramIndex
 from fastmtp_sglang.decode.sampling import SamplingParams
 from test_engine import N_NEW, PROMPTS, V, greedy_reference, random_head, successor_world, tiny_target
 
@@ -851,18 +851,21 @@ def _token_marginal(t, prompt: list[int], v: int, n: int) -> torch.Tensor:
             seqs = torch.cat([seqs.repeat_interleave(v, 0), torch.arange(v).repeat(len(seqs))[:, None]], 1)
 
 
-def _sampled_splices(monkeypatch, shared: list[float], proposal: list[int], n: int = 3000):
-    """``n`` sampled rows of one prompt on a tiny target and random head, hybrid at K=3, prompt
-    lookup proposing ``proposal`` every cycle (its match length: its length) with the shared
-    estimate ``shared`` for it. Asserts the second and third tokens follow the target's
-    marginals; returns the results."""
+def _sampled_splices(monkeypatch, shared: list[float], proposal: list[int] | None, n: int = 3000,
+                     prompt: tuple[int, ...] = (4, 9, 2)):
+    """``n`` sampled rows of ``prompt`` on a tiny target and random head, hybrid at K=3, prompt
+    lookup proposing ``proposal`` every cycle (its match length: its length; None: lookup as it
+    is, every match length estimated at ``shared``) with the shared estimate ``shared`` for it.
+    Asserts the second and third tokens follow the target's marginals; returns the results."""
     v = 12
     t, head = peaky_world(v)
-    prompt = [4, 9, 2]
+    prompt = list(prompt)
     auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
-    auto.shared[f"lookup{len(proposal)}"] = shared
-    eng = ReferenceEngine(t, head, 3, max_context=16, drafter=NgramDrafter(), auto=auto, hybrid=True)
-    monkeypatch.setattr(eng, "_lookup", lambda r, k: (list(proposal), len(proposal)))
+    for m in ([len(proposal)] if proposal else [1, 2]):
+        auto.shared[f"lookup{m}"] = shared
+    eng = ReferenceEngine(t, head, 3, max_context=24, drafter=NgramDrafter(), auto=auto, hybrid=True)
+    if proposal:
+        monkeypatch.setattr(eng, "_lookup", lambda r, k: (list(proposal), len(proposal)))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))
                         for i in range(n)])
     for i in (1, 2):
@@ -881,44 +884,53 @@ def test_spliced_chains_are_lossless_when_sampling(monkeypatch):
     assert any(c.source == "splice" and c.accepted >= 1 for r in res for c in r.metrics.cycles)
 
 
-def test_a_head_row_follows_a_proposal_that_agrees_where_lookup_is_likelier():
+def test_a_proposal_found_after_the_heads_drafts_takes_over_where_lookup_is_likelier():
     auto = AutoK(FLAT, 3, calibrate=False)
     head = [0.5, 0.5, 0.5]
-    assert auto.follows(head, [0.5, 0.9, 0.9], 3, 3)        # 1 + .9 + .81 against 1 + .5 + .25
-    assert not auto.follows(head, [0.5, 0.2, 0.2], 3, 3)
-    assert not auto.follows(head, [0.5, 0.9, 0.9], 1, 3)    # nothing after the first token
-    assert not auto.follows(head, [0.5, 0.9, 0.9], 3, 1)    # K=1: nothing after it either
+    assert auto.takes_over(head, [0.9, 0.9, 0.9], 1, 3)       # 1 + .9 + .81 against 1 + .5 + .25
+    assert not auto.takes_over(head, [0.3, 0.3, 0.3], 1, 3)
+    assert not auto.takes_over(head, [0.9, 0.9, 0.9], 3, 3)   # nothing left to take
 
 
-def test_the_heads_first_draft_continued_by_an_agreeing_proposal(monkeypatch):
-    """Successor world, head rows (lookup's first position unlikely, its later ones likely):
-    where the head's first draft equals the proposal's first token, the proposal takes the
-    positions after it (here wrong, so one draft is accepted where the head alone gets three);
-    where they disagree, the head's chain stands. Output: the target's either way."""
+def test_ngram_index_proposes_after_drafts_it_was_not_given():
+    """``propose_after(extra)`` is the proposal for the sequence followed by ``extra``, from
+    matches inside the sequence, without adding ``extra``."""
+    d = NgramDrafter(max_ngram=3)
+    idx = NgramIndex(d)
+    seq = [10, 20, 21, 22, 3, 4, 5, 20, 9]
+    idx.sync(seq, [])
+    assert idx.propose_after([10], 2) == ([20, 21], 1)          # "10" at 0
+    assert idx.propose_after([20], 2) == ([21, 22], 1)          # earliest "20"
+    assert idx.propose_after([4], 3) == ([5, 20, 9], 1)
+    assert idx.propose_after([3, 4], 2) == ([5, 20], 2)         # the longer match wins
+    assert idx.propose_after([9, 10], 2) == ([20, 21], 1)       # "9 10" is nowhere: "10"
+    assert idx.propose_after([77], 2) == ([], 0)
+    assert idx.seq == seq                                        # nothing was added
+
+
+def test_prompt_lookup_asked_again_after_the_heads_draft_takes_over(monkeypatch):
+    """Successor world, head rows, a prompt that holds the head's first draft followed by wrong
+    tokens: asked again after that draft, prompt lookup finds them and takes positions 2..3
+    (one draft accepted where the head alone gets three; the estimates say lookup is likelier).
+    With splices off, the head's chain stands. Output: the target's either way."""
     t, head = successor_world()
-    auto = AutoK(FLAT, 3, calibrate=False)
-    auto.shared["lookup3"] = [0.1, 0.95, 0.95]
-    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3), auto=auto, hybrid=True)
-
-    def lookup(r, k):
-        x = (r.out or r.req.input_ids)[-1]
-        agree = r.req.input_ids[0] == 3  # row A: right first token, wrong after; row B: wrong first
-        return ([(x + 1) % V, (x + 9) % V, (x + 9) % V] if agree else [(x + 5) % V] * 3), 3
-    monkeypatch.setattr(eng, "_lookup", lookup)
-    prompts = [[3, 4, 5], [20, 21]]
-    res = eng.generate([Request(p, SamplingParams(max_new_tokens=16)) for p in prompts])
-    assert [r.output_ids for r in res] == [[(p[-1] + 1 + i) % V for i in range(16)] for p in prompts]
-    a, b = ([c for c in r.metrics.cycles if c.drafted] for r in res)
-    spliced = [c for c in a if c.source == "splice"]
-    assert spliced and all(c.accepted == 1 for c in spliced)
-    assert all(c.source == "" and c.accepted == c.drafted for c in b)
+    for splice in (True, False):
+        auto = AutoK(FLAT, 3, calibrate=False)
+        auto.shared["lookup1"] = [0.95] * 3
+        eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=2), auto=auto, hybrid=True,
+                              splice=splice)
+        # the target goes on 5, 6, ...; the second cycle's first draft is 10, after which the
+        # prompt holds 50, 51
+        prompt = [10, 50, 51, 3, 4]
+        res = eng.generate([Request(prompt, SamplingParams(max_new_tokens=16))])[0]
+        assert res.output_ids == [(5 + i) % V for i in range(16)]
+        spliced = [c for c in res.metrics.cycles if c.source == "splice"]
+        assert (len(spliced) >= 1 and all(c.accepted == 1 for c in spliced)) if splice else not spliced
 
 
-def test_an_agreeing_proposal_after_the_heads_sampled_draft_is_lossless(monkeypatch):
-    """Sampled head rows whose second and third positions become prompt lookup's tokens (q
-    one-hot) when the head's sampled first draft equals the proposal's first token, and stay the
+def test_a_proposal_found_after_the_heads_sampled_draft_is_lossless(monkeypatch):
+    """Sampled head rows whose later positions become prompt lookup's tokens (q one-hot) when
+    lookup, asked again after the head's sampled first draft, finds a proposal, and stay the
     head's draws otherwise: the second and third tokens follow the target's marginals."""
-    # lookup's first position unlikely, its later ones likely: head rows that follow an agreeing
-    # proposal; 4 is the head's first draw about one time in four
-    res = _sampled_splices(monkeypatch, [0.05, 0.95, 0.95], [4, 5, 6])
+    res = _sampled_splices(monkeypatch, [0.95] * 3, None, prompt=[4, 9, 2, 11, 4, 9, 2])
     assert sum(c.source == "splice" for r in res for c in r.metrics.cycles) > len(res) // 10

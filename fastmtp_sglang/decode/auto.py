@@ -208,17 +208,19 @@ class AutoK:
         return list(self.shared.setdefault(source, [self.prior] * self.kmax))
 
     def update(self, est: list[float], k: int, accepted: int, source: str = "head",
-               probs: list[float] | None = None, first: int = 0) -> None:
+               probs: list[float] | None = None, first: int = 0, shift: int = 0) -> None:
         """One cycle of a row (see :meth:`_observe`); the shared estimate learns from it too.
         ``probs``: when the row was sampled, each verified position's probability of acceptance
         (``sum_x min(p(x), q(x))``), observed in place of the 0/1 outcome. ``first``: the
-        source drafted from this position on (a splice: prompt lookup's tokens before it)."""
-        self._observe(est, k, accepted, self.alpha, probs, first)
+        source drafted from this chain position on (a splice: the other source before it);
+        ``shift``: chain position j is the source's position j - shift (a proposal that
+        started there)."""
+        self._observe(est, k, accepted, self.alpha, probs, first, shift)
         if k:
             self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
-            self._observe(shared, k, accepted, self.shared_alpha, probs, first)
+            self._observe(shared, k, accepted, self.shared_alpha, probs, first, shift)
 
     def relax_estimate(self, est: list[float], source: str = "head") -> None:
         """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
@@ -238,7 +240,7 @@ class AutoK:
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float,
-                 probs: list[float] | None = None, first: int = 0) -> None:
+                 probs: list[float] | None = None, first: int = 0, shift: int = 0) -> None:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
 
         Each verified position up to the first rejection is observed: with ``probs`` (a sampled
@@ -254,9 +256,9 @@ class AutoK:
         instead of staying at its prior."""
         for j in range(first, min(k, accepted + 1)):
             hit = probs[j] if probs is not None else (1.0 if j < accepted else 0.0)
-            est[j] += alpha * (hit - est[j])
-        if 0 < k == accepted < len(est):
-            est[k] = max(est[k], est[k - 1])
+            est[j - shift] += alpha * (hit - est[j - shift])
+        if shift < k == accepted and k - shift < len(est):
+            est[k - shift] = max(est[k - shift], est[k - shift - 1])
 
     def cycle_ms(self, k: int, batch: int, head_steps: bool = True, deferred: int = 0,
                  once: float = 0.0) -> float:
@@ -457,14 +459,14 @@ class AutoK:
         k, use, _ = self.plan_hybrid(heads, lookups, zero_run, deferred, once, left, splice=False)
         return k, use
 
-    def follows(self, head: list[float], lookup: list[float], length: int, k: int) -> bool:
-        """A head row with a prompt-lookup proposal of ``length`` tokens, at K = ``k``: should
-        the proposal's tokens take positions 2.. when the head's first draft equals its first
-        token (the head's prefix continued by a match that agrees with it)? Yes where lookup's
-        estimates of those positions promise more tokens than the head's own. Not priced into the
-        plan: the agreement is only known once the head has drafted, and it costs nothing more."""
-        n = min(length, k)
-        return n > 1 and expected_tokens(lookup[1:n], n - 1) > expected_tokens(head[1:k], n - 1)
+    def takes_over(self, head: list[float], lookup: list[float], k: int, K: int) -> bool:
+        """A head row that has drafted ``k`` of its ``K`` positions, where prompt lookup, asked
+        again with those drafts after the sequence, has a proposal (``lookup``: the estimate for
+        its match length): should the proposal take positions k+1..K? Yes where its estimates
+        promise more tokens over them than the head's own from position k+1 on. Not priced into
+        the plan: such a match is only known once the head has drafted, and it costs no more."""
+        n = K - k
+        return n > 0 and expected_tokens(lookup, n) > expected_tokens(head[k:K], n)
 
     def plan_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
                     zero_run: int, deferred: int = 0, once: float = 0.0, left: float = 1.0,

@@ -347,19 +347,21 @@ class ReferenceEngine(AutoDrafting):
         return drafts, qs, Kc
 
     def _draft_head(self, b: Batch, K: int, forced: list[list[int]] | None = None,
-                    follow: list[list[int]] | None = None) -> tuple[torch.Tensor, list]:
+                    requery: list[bool] | None = None) -> tuple[torch.Tensor, list]:
         """K recursive head steps for every live row: (drafts [n, K], q per step or None).
         Splices (hybrid): ``forced``, per row, tokens that take the first positions of its chain
-        in place of the head's picks; ``follow``, per row, a proposal whose tokens take positions
-        2.. when the head's first draft equals its first token. The head's later steps read
-        whatever the chain holds; ``b.fixed`` marks the positions that are not the head's picks
-        (their q is the caller's), None when there are none."""
+        in place of the head's picks; ``requery``, per row, whether prompt lookup is asked again
+        after each of the head's drafts (``_requery``: a proposal it then finds may take the
+        positions after them). The head's later steps read whatever the chain holds;
+        ``b.fixed`` marks the positions that are not the head's picks (their q is the
+        caller's), None when there are none."""
         n = len(b)
         drafts = torch.empty(n, K, dtype=torch.long, device=self.device)
         qs: list = []
         self._catch_up(b)
         over = None  # per position, the token that takes it, or -1 for the head's pick
-        if (forced and any(forced)) or (follow and any(follow)):
+        b.splice_at = {}
+        if (forced and any(forced)) or (requery and any(requery)):
             over = torch.tensor([(t[:K] + [-1] * K)[:K] for t in (forced or [[]] * n)], device=self.device)
         for k in range(1, K + 1):
             if k > 1:
@@ -368,12 +370,8 @@ class ReferenceEngine(AutoDrafting):
                 b.g = g[:, 0]
             d, q = b.draft_pick(b.g)
             drafts[:, k - 1] = d if over is None else torch.where(over[:, k - 1] >= 0, over[:, k - 1], d)
-            if k == 1 and K > 1 and follow and any(follow):
-                first = drafts[:, 0].tolist()
-                for j, t in enumerate(follow):
-                    if len(t) > 1 and first[j] == t[0] and over[j, 0] < 0:  # they agree: lookup goes on
-                        m = min(len(t), K)
-                        over[j, 1:m] = torch.tensor(t[1:m], device=self.device)
+            if k < K and requery and any(requery):
+                self._requery(b, drafts, over, requery, k, K)
             qs.append(q)
         b.fixed = None if over is None else over >= 0
         return drafts, qs
@@ -471,7 +469,7 @@ class ReferenceEngine(AutoDrafting):
             # the chain's sources: positions < c from the first, the rest from the second (a
             # splice: lookup's proposal continued by the head, or the head's first draft
             # continued by lookup's proposal where the two agreed on it)
-            first, c, m = self._chain_sources(b, j, k, Kc)
+            first, c, m, shift = self._chain_sources(b, j, k, Kc)
             second = "head" if first == "lookup" else "lookup"
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
@@ -487,7 +485,7 @@ class ReferenceEngine(AutoDrafting):
                     self.auto.update(est[first], c, min(acc_l[j], c), name[first], probs)
                     seen.add(first)
                 if c < k and acc_l[j] >= c:
-                    self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c)
+                    self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c, shift=shift)
                     seen.add(second)
                 if "head" not in seen:
                     self.auto.relax_estimate(r.est)

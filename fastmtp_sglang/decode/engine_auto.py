@@ -46,7 +46,7 @@ class AutoDrafting:
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
             # proposals (their cost: docs/design.md section 6.8, "The margin grows with the batch")
-            b.plan, b.plan_head, b.follow = [(False, 0, [])] * len(rows), False, []
+            b.plan, b.plan_head, b.requery = [(False, 0, [])] * len(rows), False, []
             return 0
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
@@ -57,10 +57,8 @@ class AutoDrafting:
         K, use, b.plan_head = self.auto.plan_hybrid([r.est for r in rows], looks, b.zero_run,
                                                     b.deferred_positions(), once, left, self.splice)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
-        # head rows whose proposal goes on after the head's first draft where the two agree on it
-        b.follow = [self.splice and b.plan_head and not take and m > 0
-                    and self.auto.follows(r.est, r.est_lookup[m], len(toks), K)
-                    for r, take, (toks, m) in zip(rows, use, props)]
+        # head rows: prompt lookup is asked again after each of their drafts (_requery)
+        b.requery = [self.splice and b.plan_head and not take and K > 1 for take in use]
         return K
 
     @staticmethod
@@ -108,8 +106,7 @@ class AutoDrafting:
                     fixed[j] = True
         else:
             forced = [toks if take else [] for take, _, toks in b.plan]
-            follow = [toks if f else [] for f, (_, _, toks) in zip(b.follow, b.plan)] if any(b.follow) else None
-            drafts, qs = self._draft_head(b, K, forced, follow)
+            drafts, qs = self._draft_head(b, K, forced, b.requery)
             if b.fixed is not None:
                 fixed = b.fixed
         if not b.greedy and bool(fixed.any()):  # a deterministic proposal: q one-hot at its tokens
@@ -119,21 +116,45 @@ class AutoDrafting:
                   for k, q in enumerate(qs)]
         return drafts, qs, K
 
-    def _chain_sources(self, b: Batch, j: int, k: int, Kc: int) -> tuple[str, int, int]:
+    def _requery(self, b: Batch, drafts: torch.Tensor, over: torch.Tensor, requery: list[bool],
+                 k: int, K: int) -> None:
+        """After the head's k-th draft: for each head row still drafting with the head, prompt
+        lookup asked again with the head's drafts after the sequence (``NgramIndex.
+        propose_after``); a proposal it finds takes positions k+1.. where its estimates promise
+        more than the head's (``AutoK.takes_over``), recorded in ``b.splice_at`` as (k, match
+        length). Its tokens go into ``over``; the head's later steps read them."""
+        rows = [j for j, (want, r) in enumerate(zip(requery, b.rows))
+                if want and j not in b.splice_at and r.ngram is not None]
+        if not rows:
+            return
+        mine = drafts[:, :k].tolist()
+        for j in rows:
+            r = b.rows[j]
+            toks, m = r.ngram.propose_after(mine[j], K - k)
+            if len(toks) < K - k:  # (none, or one that ends early: the chain stays the head's)
+                continue
+            if m not in r.est_lookup:
+                r.est_lookup[m] = self.auto.new_estimate(f"lookup{m}")
+            if self.auto.takes_over(r.est, r.est_lookup[m], k, K):
+                over[j, k: k + len(toks)] = torch.tensor(toks, device=self.device)
+                b.splice_at[j] = (k, m)
+
+    def _chain_sources(self, b: Batch, j: int, k: int, Kc: int) -> tuple[str, int, int, int]:
         """Row ``j``'s chain of ``k`` drafts this cycle: (the source of its first ``c``
-        positions, ``c``, prompt lookup's match length m); positions c.. came from the other
-        source (a splice). "lookup" first: its proposal, continued by the head past its end in a
-        cycle that ran the head; "head" first with c = 1: the head's first draft agreed with the
-        proposal, which took the positions after it (``b.follow``, ``b.fixed``)."""
+        positions, ``c``, prompt lookup's match length m, the chain position where lookup's
+        proposal starts); positions c.. came from the other source (a splice). "lookup" first:
+        its proposal, continued by the head past its end in a cycle that ran the head; "head"
+        first with c < k: prompt lookup, asked again after the head's c drafts, took the
+        positions after them (``_requery``)."""
         if not self.hybrid or not Kc:
-            return "head", k, 0
+            return "head", k, 0, 0
         take, m, toks = b.plan[j]
         if take and m > 0:
-            return "lookup", (len(toks) if b.plan_head and len(toks) < k else k), m
-        if (b.follow and b.follow[j] and b.fixed is not None and k > 1
-                and bool(b.fixed[j, 1:k].any())):
-            return "head", 1, m
-        return "head", k, m
+            return "lookup", (len(toks) if b.plan_head and len(toks) < k else k), m, 0
+        at = getattr(b, "splice_at", {}).get(j) if b.plan_head else None
+        if at is not None and at[0] < k:
+            return "head", at[0], at[1], at[0]
+        return "head", k, m, 0
 
     def _head_idle(self, b: Batch, drafted: int) -> bool:
         """auto: did this cycle run without the head (K=0, or hybrid with every row on prompt

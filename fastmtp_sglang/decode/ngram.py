@@ -84,6 +84,18 @@ class NgramIndex:
             for i in range(max(0, old - n), new - n):
                 table.setdefault(tuple(seq[i:i + n]), i)
 
+    def propose_after(self, extra: list[int], k: int) -> tuple[list[int], int]:
+        """The proposal for the sequence followed by ``extra`` (a head's drafts, not added): the
+        ``k`` tokens after the earliest place in the sequence where its longest suffix that
+        ends with ``extra`` occurs, and that suffix's length (([], 0) when none does)."""
+        seq, d = self.seq, self.drafter
+        for n in range(min(d.max_ngram, len(seq) + len(extra) - 1), d.min_ngram - 1, -1):
+            key = tuple((seq[len(seq) - (n - len(extra)):] if n > len(extra) else []) + extra[-n:])
+            i = self.first[n].get(key)
+            if i is not None:
+                return seq[i + n: i + n + k], n
+        return [], 0
+
     def propose_match(self, k: int) -> tuple[list[int], int]:
         """What ``drafter.propose_match(self.seq, k)`` returns."""
         seq, d = self.seq, self.drafter
