@@ -863,7 +863,8 @@ def _sampled_splices(monkeypatch, shared: list[float], proposal: list[int] | Non
     auto = AutoK(FLAT, 3, calibrate=False, row_margin=0.0)  # (3000 rows that are to draft)
     for m in ([len(proposal)] if proposal else [1, 2]):
         auto.shared[f"lookup{m}"] = shared
-    eng = ReferenceEngine(t, head, 3, max_context=24, drafter=NgramDrafter(), auto=auto, hybrid=True)
+    eng = ReferenceEngine(t, head, 3, max_context=24, drafter=NgramDrafter(), auto=auto, hybrid=True,
+                          splice=True)
     if proposal:
         monkeypatch.setattr(eng, "_lookup", lambda r, k: (list(proposal), len(proposal)))
     res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i))

@@ -58,6 +58,7 @@ def test_one_parser_for_steps():
     AutoSpec.add_cli_args(p)
     assert AutoSpec.from_cli_args(p.parse_args([])) == AutoSpec()
     assert AutoSpec.from_cli_args(p.parse_args(["--auto-max-steps", "5", "--auto-drafter", "head"])) == AutoSpec(5, "head")
+    assert AutoSpec.from_cli_args(p.parse_args(["--auto-splice", "on"])).splice and not AutoSpec().splice
     with pytest.raises(FastMTPError, match="auto-max-steps"):
         AutoSpec.from_cli_args(p.parse_args(["--auto-max-steps", "0"]))
 
@@ -70,7 +71,9 @@ def test_built_engine_runs_the_range_the_costs_allow():
     assert sorted(curve.verify_ms) == list(spec.cost_points())
     eng = build_auto_engine(spec, t, head, curve)
     k = deepest_paying_k(eng.auto.costs, AUTO_CEILING)
-    assert eng.steps == eng.auto.kmax == k and eng.hybrid
+    assert eng.steps == eng.auto.kmax == k and eng.hybrid and not eng.splice
+    assert build_auto_engine(AutoSpec(2, splice=True), t, head, curve).splice
+    assert "splices on" in describe(AutoSpec(2, splice=True), 2) and "splices" not in describe(AutoSpec(2), 2)
     fixed = build_auto_engine(AutoSpec(2, "head"), t, head, curve)
     assert fixed.steps == 2 and not fixed.hybrid
     with pytest.raises(ValueError, match="--draft"):

@@ -40,15 +40,17 @@ class AutoSpec:
     probe_every : int
         Cycles at K=0 before the controller may draft once at K=1 to look again, >= 1.
     splice : bool
-        ``hybrid``: in a cycle that runs the head, a prompt-lookup proposal shorter than K is
-        continued by the head past its end where the estimates say that pays (else padded).
+        ``hybrid``: chains spliced from both sources where the estimates say that pays (a
+        prompt-lookup proposal continued by the head past its end; prompt lookup asked again
+        after the head's drafts). Off by default: on the AMX protocol it raised tau 6% at the
+        same speed (docs/design.md section 6.7, "Splices").
     """
 
     max_steps: int | None = None
     drafter: str = "hybrid"
     alpha: float = 0.2
     probe_every: int = 8
-    splice: bool = True
+    splice: bool = False
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -78,17 +80,18 @@ class AutoSpec:
         p.add_argument("--auto-probe-every", type=int, default=AutoSpec.probe_every,
                        help=f"{scope}: cycles at K=0 before one cycle drafts at K=1 to look again "
                             f"(default {AutoSpec.probe_every})")
-        p.add_argument("--auto-splice", choices=("on", "off"), default="on",
-                       help=f"{scope}, hybrid: continue a prompt-lookup proposal shorter than K with "
-                            "the head's drafts past its end where the estimates say it pays (on, "
-                            "default), or pad it")
+        p.add_argument("--auto-splice", choices=("on", "off"), default="off",
+                       help=f"{scope}, hybrid: also draft chains spliced from the head and prompt "
+                            "lookup where the estimates say they pay (a proposal continued by the "
+                            "head past its end; lookup asked again after the head's drafts); "
+                            "default off: measured, more accepted tokens at the same speed")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "AutoSpec":
         """The AutoSpec the ``--auto-*`` flags ask for; FastMTPError naming the flag when one is off."""
         try:
             return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every,
-                       getattr(args, "auto_splice", "on") == "on")
+                       getattr(args, "auto_splice", "off") == "on")
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
 

@@ -105,7 +105,7 @@ class ReferenceEngine(AutoDrafting):
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
                  draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
-                 packed: str | None = None, lean: str | None = None, splice: bool = True):
+                 packed: str | None = None, lean: str | None = None, splice: bool = False):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
