@@ -1,7 +1,7 @@
 """The parts of ReferenceEngine's cycle that ``auto``, ``hybrid`` and a model-free drafter add
 (decode/engine.py runs the cycle itself): each cycle's K and each row's draft source, prompt
-lookup's proposals (continued by the head past their end where that pays: a splice), and the
-head's work that auto defers, done when the head next drafts: its reading of the prompts and its
+lookup's proposals (with splices on, chains spliced from both where that pays), and the head's
+work that auto defers, done when the head next drafts: its reading of the prompts and its
 draft extend over the cycles that ran without it.
 
 :class:`AutoDrafting` is a mixin of :class:`fastmtp_sglang.decode.engine.ReferenceEngine`: its
@@ -105,7 +105,9 @@ class AutoDrafting:
                     drafts[j] = torch.tensor((pad + [pad[-1]] * K)[:K], device=self.device)
                     fixed[j] = True
         else:
-            forced = [toks if take else [] for take, _, toks in b.plan]
+            # (splices off: a short proposal is padded, as in a cycle without the head)
+            forced = [(toks if self.splice or not toks else (toks + [toks[-1]] * K)[:K]) if take else []
+                      for take, _, toks in b.plan]
             drafts, qs = self._draft_head(b, K, forced, b.requery)
             if b.fixed is not None:
                 fixed = b.fixed
@@ -150,8 +152,8 @@ class AutoDrafting:
             return "head", k, 0, 0
         take, m, toks = b.plan[j]
         if take and m > 0:
-            return "lookup", (len(toks) if b.plan_head and len(toks) < k else k), m, 0
-        at = getattr(b, "splice_at", {}).get(j) if b.plan_head else None
+            return "lookup", (len(toks) if self.splice and b.plan_head and len(toks) < k else k), m, 0
+        at = b.splice_at.get(j) if b.plan_head else None
         if at is not None and at[0] < k:
             return "head", at[0], at[1], at[0]
         return "head", k, m, 0
