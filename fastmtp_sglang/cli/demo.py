@@ -48,7 +48,7 @@ def demo_draft(target_dir: Path, cache: Path, log=print) -> tuple[Path, str]:
 def run(args: argparse.Namespace) -> int:
     from fastmtp_sglang.benchmark.sweep import (BenchConfig, auto_costs, contamination_text, cost_line,
                                                 markdown, run_in_process, summarize, write_results)
-    from fastmtp_sglang.decode.auto_setup import AutoSpec, describe, parse_steps
+    from fastmtp_sglang.decode.auto_setup import AutoSpec, parse_steps
     from fastmtp_sglang.core.prompts import load_prompt_ids
     from fastmtp_sglang.core.demo_target import default_cache_dir, materialize_smollm2
     from fastmtp_sglang.core.draft_dir import load_head
@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
         log("demo: " + cost_line(curve))
     samples = run_in_process(target, head, [(i, c, ids) for i, c, _, ids in prompts], cfg,
                              draft_vocab=vocab, cost_curve=curve)
-    if cfg.auto is not None:
-        log("demo: auto: " + describe(cfg.auto, cfg.auto_steps))
+    # (the auto arm's K range was printed when its engine was built: run_in_process)
     results = summarize(samples, cfg)
     meta = {"label": "fastmtp demo: SmolLM2-135M-Instruct on CPU", "command": "fastmtp " + " ".join(sys.argv[1:]),
             "config": asdict(cfg), "target": str(target_dir), "draft": f"{draft} ({what})",
