@@ -381,7 +381,7 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
     for margin, a, want in ((0.03, small, 0), (0.0, small, 1), (0.03, large, 1)):
         auto = AutoK(costs, 1, calibrate=False, margin=margin)
         assert auto.best([[a]]) == want, (margin, a)
-        assert auto.choose_hybrid([[a]], [None], 0)[0] == want, (margin, a)
+        assert auto.plan_hybrid([[a]], [None], 0)[0] == want, (margin, a)
     with pytest.raises(ValueError):
         AutoK(costs, 1, margin=1.5)
 
@@ -394,12 +394,12 @@ def test_the_margin_grows_with_the_batch():
     auto = AutoK(costs, 1, calibrate=False)
     assert auto.margin_at(1) == pytest.approx(0.03) and auto.margin_at(16) == pytest.approx(0.18)
     assert auto.best([[a]]) == 1 and auto.best([[a]] * 16) == 0
-    assert auto.choose_hybrid([[a]] * 16, [None] * 16, 0)[0] == 0
+    assert auto.plan_hybrid([[a]] * 16, [None] * 16, 0)[0] == 0
     auto.update([a], 1, 1)  # drafting observed: room() now judges by the shared estimate
     auto.shared["head"] = [a]
     assert auto.room(1) and not auto.room(16)
     flat = AutoK(costs, 1, calibrate=False, row_margin=0.0)
-    assert flat.best([[a]] * 16) == 1 and flat.choose_hybrid([[a]] * 16, [None] * 16, 0)[0] == 1
+    assert flat.best([[a]] * 16) == 1 and flat.plan_hybrid([[a]] * 16, [None] * 16, 0)[0] == 1
     with pytest.raises(ValueError):
         AutoK(costs, 1, row_margin=-0.1)
 
@@ -471,9 +471,9 @@ def test_a_catch_up_is_spread_over_the_cycles_left():
     assert auto.choose(rows, 0, deferred=z, left=200) >= 1  # spread over 200 cycles: the head
     assert auto.choose(rows, 0, deferred=z, left=4) == 0  # a few tokens left: not worth it
     lookups = [([0.1] * 3, 1)] * 2                        # one-token, weak prompt-lookup proposals
-    k, use = auto.choose_hybrid(rows, lookups, 0, deferred=z)
+    k, use, _ = auto.plan_hybrid(rows, lookups, 0, deferred=z)
     assert k == 0 or all(use)                             # whole: never the head
-    k, use = auto.choose_hybrid(rows, lookups, 0, deferred=z, left=200)
+    k, use, _ = auto.plan_hybrid(rows, lookups, 0, deferred=z, left=200)
     assert k >= 1 and not any(use)                        # spread: the head for both rows
     # the share: the catch-up times the rows' tokens a cycle over the cycles left, at most whole
     whole = auto.catch_up_ms(z, 2)
@@ -550,7 +550,7 @@ def test_the_heads_first_reading_of_prompts_is_priced_over_the_budget_left():
     assert auto.best(good, once=auto.once_ms(1600, 60)) == 3         # 2.7 ms a cycle: it pays
     assert auto.best(good, once=auto.once_ms(1600, 2)) == 0          # 80 ms a cycle: it does not
     assert auto.choose(good, 0) == 3 and auto.choose(good, 0, once=80.0) == 0
-    assert auto.choose_hybrid(good, [None, None], 0, once=auto.once_ms(1600, 2))[0] == 0
+    assert auto.plan_hybrid(good, [None, None], 0, once=auto.once_ms(1600, 2))[0] == 0
     assert auto.cycle_ms(0, 2, once=5.0) == auto.cycle_ms(0, 2)      # K=0 reads no prompt
     assert auto.cycle_ms(2, 2, head_steps=False, once=5.0) == auto.cycle_ms(2, 2, head_steps=False)
     assert auto.cycle_ms(2, 2, once=5.0) == pytest.approx(auto.cycle_ms(2, 2) + 5.0)
@@ -650,7 +650,7 @@ def test_no_probes_where_the_batch_leaves_drafting_no_room():
     # own estimate still could not pay at 16 rows (while one row probes as before)
     assert not auto.room(16, head_only=True) and auto.room(1, head_only=True)
     assert not any(auto.probe_due(rows, zero_run=z) for z in range(8, 5000, 7))
-    assert all(auto.choose_hybrid(rows, [None] * 16, zero_run=z)[0] == 0 for z in range(8, 5000, 7))
+    assert all(auto.plan_hybrid(rows, [None] * 16, zero_run=z)[0] == 0 for z in range(8, 5000, 7))
     assert auto.probe_due(rows[:1], zero_run=8)
     auto.shared["head"] = [0.95] * 3  # a head that good could pay at 16: probes there again
     assert auto.room(16, head_only=True)
@@ -761,10 +761,10 @@ def test_hybrid_may_go_without_the_head_when_one_row_has_a_good_proposal():
     row verifies nothing), where the head for the second row would have cost more than it brings."""
     costs = StepCosts({1: 16.6, 2: 19.0, 4: 21.0}, draft_step=3.0, extend=2.0)
     auto = AutoK(costs, 3, calibrate=False)
-    k, use = auto.choose_hybrid([[0.3] * 3, [0.3] * 3], [([0.9] * 3, 3), None], zero_run=0)
+    k, use, _ = auto.plan_hybrid([[0.3] * 3, [0.3] * 3], [([0.9] * 3, 3), None], zero_run=0)
     assert k == 3 and use == [True, True]
     # with a proposal for neither row nothing changes: the head or K=0
-    k, use = auto.choose_hybrid([[0.3] * 3, [0.3] * 3], [None, None], zero_run=0)
+    k, use, _ = auto.plan_hybrid([[0.3] * 3, [0.3] * 3], [None, None], zero_run=0)
     assert use == [False, False]
 
 
@@ -808,14 +808,14 @@ def test_a_short_proposal_is_spliced_with_the_head_where_the_estimates_say_it_pa
     and kept off (the head's own chain) when lookup's estimate is low: the estimates are the gate."""
     auto = AutoK(FLAT, 3, calibrate=False)
     head = [0.5, 0.5, 0.5]
-    k, use, runs_head = auto.plan_hybrid([head], [([0.9] * 3, 1)], zero_run=0)
+    k, use, runs_head = auto.plan_hybrid([head], [([0.9] * 3, 1)], zero_run=0, splice=True)
     assert k == 3 and use == [True] and runs_head  # E = 1 + .9 + .45 + .225 against the head's 1.875
-    k, use = auto.choose_hybrid([head], [([0.9] * 3, 1)], zero_run=0)  # padded: 1.9 at most
+    k, use, _ = auto.plan_hybrid([head], [([0.9] * 3, 1)], zero_run=0)  # padded: 1.9 at most
     assert (k, use) != (3, [True])
-    k, use, runs_head = auto.plan_hybrid([head], [([0.1] * 3, 1)], zero_run=0)
+    k, use, runs_head = auto.plan_hybrid([head], [([0.1] * 3, 1)], zero_run=0, splice=True)
     assert use == [False] and runs_head and k >= 1  # lookup unlikely: the head's own chain
     # a proposal as long as K is not spliced: the cycle can go without the head
-    k, use, runs_head = auto.plan_hybrid([[0.1] * 3], [([0.9] * 3, 3)], zero_run=0)
+    k, use, runs_head = auto.plan_hybrid([[0.1] * 3], [([0.9] * 3, 3)], zero_run=0, splice=True)
     assert k == 3 and use == [True] and not runs_head
 
 

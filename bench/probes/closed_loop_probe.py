@@ -37,7 +37,7 @@ def _spy_choices():
     from fastmtp_sglang.decode.auto import AutoK, expected_tokens
     real = AutoK.plan_hybrid
 
-    def plan_hybrid(self, heads, lookups, zero_run, deferred=0, once=0.0, left=1.0, splice=True):
+    def plan_hybrid(self, heads, lookups, zero_run, deferred=0, once=0.0, left=1.0, splice=False):
         k, use, head = real(self, heads, lookups, zero_run, deferred, once, left, splice)
         if k:
             tot = 0.0

@@ -451,14 +451,6 @@ class AutoK:
         loss = self.cycle_ms(1, B, deferred=deferred, once=self._once_at(once, e1)) - plain * e1
         return loss <= self.probe_budget * zero_run * plain
 
-    def choose_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
-                      zero_run: int, deferred: int = 0, once: float = 0.0,
-                      left: float = 1.0) -> tuple[int, list[bool]]:
-        """Hybrid drafting without splices: K, and for each row whether it drafts with prompt
-        lookup (:meth:`plan_hybrid` with ``splice=False``)."""
-        k, use, _ = self.plan_hybrid(heads, lookups, zero_run, deferred, once, left, splice=False)
-        return k, use
-
     def takes_over(self, head: list[float], lookup: list[float], k: int, K: int) -> bool:
         """A head row that has drafted ``k`` of its ``K`` positions, where prompt lookup, asked
         again with those drafts after the sequence, has a proposal (``lookup``: the estimate for
@@ -470,7 +462,7 @@ class AutoK:
 
     def plan_hybrid(self, heads: list[list[float]], lookups: list[tuple[list[float], int] | None],
                     zero_run: int, deferred: int = 0, once: float = 0.0, left: float = 1.0,
-                    splice: bool = True) -> tuple[int, list[bool], bool]:
+                    splice: bool = False) -> tuple[int, list[bool], bool]:
         """Hybrid drafting: K, for each row whether its chain starts with prompt lookup's
         proposal, and whether the cycle runs the head.
 

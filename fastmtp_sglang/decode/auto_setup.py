@@ -91,7 +91,7 @@ class AutoSpec:
         """The AutoSpec the ``--auto-*`` flags ask for; FastMTPError naming the flag when one is off."""
         try:
             return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every,
-                       getattr(args, "auto_splice", "off") == "on")
+                       args.auto_splice == "on")
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
 

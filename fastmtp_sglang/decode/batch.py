@@ -86,7 +86,6 @@ class Batch:
         self.use_head = bool(K) and (engine.drafter is None or engine.hybrid)
         self.plan: list[tuple[bool, int, list[int]]] = []  # hybrid: (lookup?, match n, proposal) per row
         self.plan_head = False  # hybrid: this cycle runs the head (head rows, or splices)
-        self.requery: list[bool] = []  # hybrid: head rows that ask prompt lookup again after their drafts
         self.splice_at: dict[int, tuple[int, int]] = {}  # hybrid: row -> (chain position, match length)
         self.fixed: torch.Tensor | None = None  # [n, K]: chain positions that are not the head's picks
         self.rows = [Row(r, k, K, dev) for r, k in zip(requests, keys)]

@@ -46,7 +46,7 @@ class AutoDrafting:
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
             # proposals (their cost: docs/design.md section 6.8, "The margin grows with the batch")
-            b.plan, b.plan_head, b.requery = [(False, 0, [])] * len(rows), False, []
+            b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
@@ -57,8 +57,6 @@ class AutoDrafting:
         K, use, b.plan_head = self.auto.plan_hybrid([r.est for r in rows], looks, b.zero_run,
                                                     b.deferred_positions(), once, left, self.splice)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
-        # head rows: prompt lookup is asked again after each of their drafts (_requery)
-        b.requery = [self.splice and b.plan_head and not take and K > 1 for take in use]
         return K
 
     @staticmethod
@@ -108,7 +106,9 @@ class AutoDrafting:
             # (splices off: a short proposal is padded, as in a cycle without the head)
             forced = [(toks if self.splice or not toks else (toks + [toks[-1]] * K)[:K]) if take else []
                       for take, _, toks in b.plan]
-            drafts, qs = self._draft_head(b, K, forced, b.requery)
+            # head rows ask prompt lookup again after each of their drafts (_requery)
+            requery = [not take for take, _, _ in b.plan] if self.splice and K > 1 else None
+            drafts, qs = self._draft_head(b, K, forced, requery)
             if b.fixed is not None:
                 fixed = b.fixed
         if not b.greedy and bool(fixed.any()):  # a deterministic proposal: q one-hot at its tokens

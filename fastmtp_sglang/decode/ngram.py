@@ -98,10 +98,4 @@ class NgramIndex:
 
     def propose_match(self, k: int) -> tuple[list[int], int]:
         """What ``drafter.propose_match(self.seq, k)`` returns."""
-        seq, d = self.seq, self.drafter
-        n_seq = len(seq)
-        for n in range(min(d.max_ngram, n_seq - 1), d.min_ngram - 1, -1):
-            i = self.first[n].get(tuple(seq[n_seq - n:]))
-            if i is not None:
-                return seq[i + n: i + n + k], n
-        return [], 0
+        return self.propose_after([], k)
