@@ -57,7 +57,8 @@ def main() -> int:
     g0 = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (1, args.ctx + 16), generator=g0)
     hid = torch.randn(1, args.ctx, H, generator=g0).to(dt)
-    res: dict = {"dtype": args.dtype, "ctx": args.ctx, "threads": torch.get_num_threads(),
+    from fastmtp_sglang.decode.costs import cpu_description
+    res: dict = {"cpu": cpu_description(), "dtype": args.dtype, "ctx": args.ctx, "threads": torch.get_num_threads(),
                  "table": None if vocab is None else int(vocab.tables.lens.max())}
     with torch.inference_mode():
         cache = head.new_cache(1, args.ctx + 64)
