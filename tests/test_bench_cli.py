@@ -119,6 +119,18 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     assert len(res["runs"]) == 4 * 2 * 2  # arms x levels x repeats
     assert (out / "results.png").stat().st_size > 1000
     assert "| concurrency |" in (out / "results.md").read_text()
+    # where each arm's cycles went: K=0 never drafts; the head's arm at K=2 only; every cycle
+    # counted with its rows (at least one, at most the level's clients)
+    cyc = res["meta"]["cycles"]
+    assert set(cyc) == {"0", "2", "lookup2", "auto"} and all(set(v) == {"1", "3"} for v in cyc.values())
+    assert all(set(cyc["0"][lv]) == {"0"} for lv in ("1", "3"))
+    assert all(set(cyc["2"][lv]) <= {"0", "2"} and cyc["2"][lv]["2"][0] > 0 for lv in ("1", "3"))
+    for arm, by_level in cyc.items():
+        for lv, by_k in by_level.items():
+            n = sum(c for c, _, _ in by_k.values())
+            rows = sum(r for _, _, r in by_k.values())
+            assert n > 0 and n <= rows <= n * int(lv) and all(s > 0 for _, s, _ in by_k.values())
+    assert "share of time drafting" in (out / "results.md").read_text()
 
     target = load_target(llama_target.path, "float32")
     with ReferenceServer(ReferenceEngine(target, None, 0), ServerOptions(port=0, max_batch=4)) as srv:

@@ -151,3 +151,31 @@ def test_sampled_draft_draws_from_the_full_width_softmax(rows, extra):
     assert (want[torch.arange(rows), toks] > 0).all()
     tv = 0.5 * (counts / n - want).abs().sum(-1)
     assert (tv < 0.06).all(), tv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_greedy_takes_the_first_of_tied_maxima(dtype):
+    """The one-row CPU path of DraftVocab.greedy (one product and a max) picks what the general
+    path (compressed_head) picks, the first maximum of the table's slots, also where the table
+    holds tied rows."""
+    t = tiny_target("llama", seed=2)
+    with torch.no_grad():
+        w = t.model.lm_head.weight
+        w[7].copy_(w[3])  # tokens 3 and 7 tie everywhere
+        w[11].copy_(w[3])
+    t.model.to(dtype)
+    tables = [[5, 7, 3, 11, 20, 21], [11, 3, 7, 0, 1]]
+    vocab = make_vocab(t, tables, ["en", "zh"])
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(20):
+            h = torch.randn(1, 64, generator=g).to(dtype)
+            for i in range(2):
+                idx = torch.tensor([i])
+                one = vocab.greedy(h, idx, None)
+                two = vocab.greedy(torch.cat([h, h]), torch.cat([idx, idx]), None)  # the general path
+                assert int(one[0]) == int(two[0])
+        # where 3/7/11 win, the first of them in the table's order is taken
+        h = w[3].to(dtype)[None] * 50
+        assert int(vocab.greedy(h, torch.tensor([0]), None)[0]) == 7
+        assert int(vocab.greedy(h, torch.tensor([1]), None)[0]) == 11

@@ -102,3 +102,55 @@ def test_engine_output_unchanged_in_fp32():
     assert on.lean_head is not None and off.lean_head is None
     reqs = lambda: [Request([1, 2, 3, 4], SamplingParams(max_new_tokens=12)), Request([9, 8], SamplingParams(max_new_tokens=12))]
     assert [r.output_ids for r in on.generate(reqs())] == [r.output_ids for r in off.generate(reqs())]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["split", "mimo", "deepseek"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_one_call_step_matches_the_calls_it_replaces(layout, B):
+    """A draft step in one call of the kernel (amx.HeadStep) against LeanHead's own calls of the
+    same functions: bit for bit where attention has one key (its output is that value, whatever
+    the order of the sums); after a prefill the same key and value written and the output
+    within bf16 rounding (attention's fp32 sums run in another order than PyTorch's, and a
+    last-bit difference there travels through the rest of the block)."""
+    t, head = _world(layout)
+    pack_for_inference(t.model, head, "on")
+    fused, calls = LeanHead(head), LeanHead(head)
+    calls._one_call = lambda tiles: None
+    g = torch.Generator().manual_seed(B + 10)
+    off = torch.arange(B)[:, None] * 3
+    with torch.inference_mode():
+        first = [head.new_cache(B, 64), head.new_cache(B, 64)]
+        x = torch.randn(B, 1, 64, generator=g).to(torch.bfloat16)
+        tok, zero = torch.randint(0, 50, (B, 1), generator=g), torch.zeros(B, 1, dtype=torch.long)
+        a, b = fused(x, tok, zero, first[0]), calls(x, tok, zero, first[1])
+        assert torch.equal(a, b) and torch.equal(first[0].k, first[1].k) and torch.equal(first[0].v, first[1].v)
+        caches = [head.new_cache(B, 64), head.new_cache(B, 64)]
+        hid = torch.randn(B, 9, 64, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 50, (B, 9), generator=g)
+        for c in caches:
+            fused(hid, ids, off + torch.arange(9), c)  # (a prefill: the calls' path for both)
+        x = torch.randn(B, 1, 64, generator=g).to(torch.bfloat16)
+        tok, pos = torch.randint(0, 50, (B, 1), generator=g), off + 9
+        a = fused(x, tok, pos, caches[0])
+        assert fused._step is not None and fused._step[1] is not None  # the one call ran
+        b = calls(x, tok, pos, caches[1])
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        for buf in ("k", "v"):  # the new key and value (before attention): bit for bit
+            torch.testing.assert_close(getattr(caches[0], buf), getattr(caches[1], buf), rtol=0, atol=0)
+
+
+@needs_kernels
+def test_one_call_step_grows_the_cache_and_the_rotary_table():
+    """A step past the cache's capacity and the rotary table's end: both grow first."""
+    t, head = _world("deepseek")
+    pack_for_inference(t.model, head, "on")
+    lean = LeanHead(head)
+    with torch.inference_mode():
+        cache = head.new_cache(1, 2048)
+        assert cache.capacity == 0
+        x = torch.randn(1, 1, 64).to(torch.bfloat16)
+        out = lean(x, torch.tensor([[5]]), torch.tensor([[1500]]), cache)
+        assert out is not None and lean._step[1] is not None
+        assert cache.capacity > 1500 and head._rope_table[0].shape[0] > 1500
+        assert bool(cache.k[0, :, 1500].abs().sum() > 0)

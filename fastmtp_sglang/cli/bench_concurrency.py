@@ -50,7 +50,8 @@ def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool
                             cost_batches=tuple(lv for lv in levels if lv > 1))
     servers, runners = [], {}
     top = max(levels)
-    extra = {}
+    cycles: dict = {}  # {arm: {level: {K: [cycles, seconds, rows summed]}}}
+    extra = {"cycles": cycles}
     auto = next((e.auto for e in engines.values() if e.auto is not None), None)
     if auto is not None:  # what the auto arm believes a cycle costs at each level (ms per K)
         extra["auto_cycle_ms_by_batch"] = {str(lv): [round(auto.costs.cycle_ms(k, lv), 2)
@@ -60,8 +61,15 @@ def _in_process(args: argparse.Namespace, cfg, levels: list[int], progress: bool
         srv.start(engine_thread=False)  # the engine runs on this (the main) thread: drive()
         servers.append(srv)
 
-        def runner(bodies, level, srv=srv):
-            return srv.drive(lambda: closed_loop(srv.url, bodies, level))
+        def runner(bodies, level, srv=srv, eng=eng, key=arm_key(drafter, k)):
+            eng.cycle_stats = {}
+            try:
+                return srv.drive(lambda: closed_loop(srv.url, bodies, level))
+            finally:  # where this arm's cycles went at this level, over all its blocks
+                mine = cycles.setdefault(key, {}).setdefault(str(level), {})
+                for kc, (n, sec, rows) in eng.cycle_stats.items():
+                    acc = mine.setdefault(str(kc), [0, 0.0, 0])
+                    acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + sec, acc[2] + rows
 
         runners[arm_key(drafter, k)] = runner
     dtype = str(target.model.dtype).replace("torch.", "")
@@ -105,6 +113,31 @@ def _servers(args: argparse.Namespace, cfg):
             parts.append(f"K={k} {urls[k]}")
     desc = "servers: " + ", ".join(parts)
     return runners, [ids for _, _, _, ids in prompts], desc, [], {}
+
+
+def cycles_markdown(cycles: dict) -> str:
+    """Where each in-process arm's cycles went per level: how many, at which K, their mean rows
+    and ms (from ReferenceEngine.cycle_stats; empty for servers at --url)."""
+    if not cycles:
+        return ""
+    lines = ["", "Cycles per arm and level (every block of the level; time = draft + verify + "
+             "extend, joins' prefills not included):", "",
+             "| concurrency | arm | cycles | at K=0 | mean rows | ms per K=0 cycle | ms per drafting cycle | "
+             "share of time drafting |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for arm, by_level in cycles.items():
+        for level, by_k in sorted(by_level.items(), key=lambda kv: int(kv[0])):
+            n = sum(v[0] for v in by_k.values())
+            if not n:
+                continue
+            sec = sum(v[1] for v in by_k.values())
+            rows = sum(v[2] for v in by_k.values())
+            z = by_k.get("0", [0, 0.0, 0])
+            dn, ds = n - z[0], sec - z[1]
+            zero_ms = f"{1e3 * z[1] / z[0]:.1f}" if z[0] else "-"
+            draft_ms = f"{1e3 * ds / dn:.1f}" if dn else "-"
+            lines.append(f"| {level} | {arm} | {n} | {z[0] / n:.0%} | {rows / n:.1f} | {zero_ms} | "
+                         f"{draft_ms} | {ds / sec:.0%} |" if sec else f"| {level} | {arm} | {n} | - | - | - | - | - |")
+    return "\n".join(lines) + "\n"
 
 
 def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
@@ -163,7 +196,7 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
     tmp = out / ".results.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(out / "results.json")
-    md = markdown(table, meta)
+    md = markdown(table, meta) + cycles_markdown(meta.get("cycles") or {})
     if "engine_config" in payload:
         md += _engine_config_md(payload["engine_config"])
     (out / "results.md").write_text(md)

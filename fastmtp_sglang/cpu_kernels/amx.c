@@ -154,3 +154,130 @@ void fastmtp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int N, int I) {
         }
     }
 }
+
+/* ---------- one draft step of a Llama-block head at one new token per row, in one call ----------
+   What decode/lean_head.py's LeanHead runs as ~25 PyTorch calls and ~12 calls of the functions
+   above (each a few microseconds of dispatch at one row), with the same functions and roundings:
+   the embedding row, the two input norms, the fusion product(s), the block (norm, q/k/v product,
+   rotary, the key and value written into the head's cache, attention over the row's keys at
+   positions 0..pos, o product, residual, norm, gate/up product, silu * up, down product,
+   residual) and the final norm. Attention: fp32 scores and softmax, one rounding of the output
+   to bf16 (as decode_attention.c and PyTorch's CPU attention do).
+
+   w (pointers): 0 embed [V, H], 1 enorm, 2 hnorm [H], 3 f0 tiles, 4 f0 bias, 5 f1 tiles, 6 f1
+   bias (layout 0 only), 7 ln1, 8 qkv tiles, 9 qkv bias, 10 o tiles, 11 o bias, 12 ln2, 13 gate/up
+   tiles, 14 gate/up bias, 15 down tiles, 16 down bias, 17 final norm; biases fp32 or NULL.
+   dims: 0 H, 1 layout (0: e_proj(en) + h_proj(hn); 1: one product of [hn | en]; 2: of [en | hn]),
+   2 query heads, 3 key/value heads, 4 head_dim, 5 intermediate size. eps: enorm, hnorm, ln1,
+   ln2, final. Every product's input width must be a multiple of 32 (LeanHead checks).
+   Row j: token ids[j], input hidden[j] [H], position pos[j]; its cache rows kc/vc + j*cs_b, key
+   head h at + h*cs_h, position t at + t*D; rotary rows cos/sin [>pos, D]. out [N, H]. */
+
+__attribute__((target("avx512f")))
+static void attend_one(const uint16_t *q, const uint16_t *kb, const uint16_t *vb, int n, int D,
+                       float scale, float *s, uint16_t *out) {
+    /* one query head [D] over n keys/values (rows of D), fp32; out rounded to bf16 once */
+    float m = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        __m512 d = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 16)
+            d = _mm512_fmadd_ps(bf16x16(q + c), bf16x16(kb + (size_t)t * D + c), d);
+        s[t] = _mm512_reduce_add_ps(d) * scale;
+        m = s[t] > m ? s[t] : m;
+    }
+    float l = 0.f;
+    for (int t = 0; t < n; t++) { s[t] = expf(s[t] - m); l += s[t]; }
+    __m512 acc[16];
+    for (int c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        const __m512 p = _mm512_set1_ps(s[t]);
+        for (int c = 0; c < D / 16; c++)
+            acc[c] = _mm512_fmadd_ps(p, bf16x16(vb + (size_t)t * D + 16 * c), acc[c]);
+    }
+    const float inv = 1.0f / l;
+    float tmp[16] __attribute__((aligned(64)));
+    for (int c = 0; c < D / 16; c++) {
+        _mm512_store_ps(tmp, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+        for (int i = 0; i < 16; i++) out[16 * c + i] = f2bf(tmp[i]);
+    }
+}
+
+#include <stdlib.h>
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *eps,
+                           const int64_t *ids, const uint16_t *hidden, const int64_t *pos, int N,
+                           uint16_t *kc, uint16_t *vc, long cs_b, long cs_h,
+                           const uint16_t *cos, const uint16_t *sin, uint16_t *out, int threads) {
+    const int H = (int)dims[0], layout = (int)dims[1], nh = (int)dims[2], nkv = (int)dims[3];
+    const int D = (int)dims[4], I = (int)dims[5], G = nh / nkv;
+    const int QKV = (nh + 2 * nkv) * D;
+    const float *nobias = 0;
+    #define W16(i) ((const uint16_t *)w[i])
+    #define BIAS(i) (w[i] ? (const float *)w[i] : nobias)
+    long maxn = 0;
+    for (int j = 0; j < N; j++) maxn = pos[j] + 1 > maxn ? pos[j] + 1 : maxn;
+    /* scratch: en|hn (cat) [N, 2H], x [N, H], t [N, H], f1 [N, H], qkv [N, QKV], att [N, nh D],
+       o [N, H], gu [N, 2I], su [N, I], scores [maxn] */
+    size_t need = (size_t)N * (2 * H + 4 * H + QKV + nh * D + 3 * I) * 2 + (size_t)maxn * 4 + 64;
+    char *mem = malloc(need);
+    if (!mem) return -1;
+    uint16_t *cat = (uint16_t *)mem, *x = cat + (size_t)N * 2 * H, *t = x + (size_t)N * H;
+    uint16_t *f1 = t + (size_t)N * H, *qkv = f1 + (size_t)N * H, *att = qkv + (size_t)N * QKV;
+    uint16_t *o = att + (size_t)N * nh * D, *gu = o + (size_t)N * H, *su = gu + (size_t)N * 2 * I;
+    float *sc = (float *)(((uintptr_t)(su + (size_t)N * I) + 63) & ~(uintptr_t)63);
+    /* the input norms into the fusion's input: [en | hn] (layouts 0, 2) or [hn | en] (1) */
+    uint16_t *erow = (layout == 1) ? cat + H : cat, *hrow = (layout == 1) ? cat : cat + H;
+    uint16_t *tmp_in = (uint16_t *)malloc((size_t)2 * H * 2);
+    if (!tmp_in) { free(mem); return -1; }
+    for (int j = 0; j < N; j++) {
+        memcpy(tmp_in, W16(0) + (size_t)ids[j] * H, (size_t)H * 2);
+        memcpy(tmp_in + H, hidden + (size_t)j * H, (size_t)H * 2);
+        fastmtp_add_rms_bf16(tmp_in, 0, W16(1), erow + (size_t)j * 2 * H, 1, H, eps[0]);
+        fastmtp_add_rms_bf16(tmp_in + H, 0, W16(2), hrow + (size_t)j * 2 * H, 1, H, eps[1]);
+    }
+    free(tmp_in);
+    if (layout == 0) {  /* x = e_proj(en) + h_proj(hn), each rounded to bf16, then their sum */
+        uint16_t *en = malloc((size_t)N * H * 2), *hn = malloc((size_t)N * H * 2);
+        if (!en || !hn) { free(en); free(hn); free(mem); return -1; }
+        for (int j = 0; j < N; j++) {
+            memcpy(en + (size_t)j * H, cat + (size_t)j * 2 * H, (size_t)H * 2);
+            memcpy(hn + (size_t)j * H, cat + (size_t)j * 2 * H + H, (size_t)H * 2);
+        }
+        fastmtp_linear_bf16_amx(en, W16(3), BIAS(4), x, N, H, H, threads);
+        fastmtp_linear_bf16_amx(hn, W16(5), BIAS(6), f1, N, H, H, threads);
+        for (size_t i = 0; i < (size_t)N * H; i++) x[i] = f2bf(bf2f(x[i]) + bf2f(f1[i]));
+        free(en); free(hn);
+    } else {
+        fastmtp_linear_bf16_amx(cat, W16(3), BIAS(4), x, N, H, 2 * H, threads);
+    }
+    fastmtp_add_rms_bf16(x, 0, W16(7), t, N, H, eps[2]);
+    fastmtp_linear_bf16_amx(t, W16(8), BIAS(9), qkv, N, QKV, H, threads);
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int j = 0; j < N; j++) {
+        uint16_t *p = qkv + (size_t)j * QKV;
+        fastmtp_rope_bf16(p, cos + (size_t)pos[j] * D, sin + (size_t)pos[j] * D, 1, nh + nkv, D, QKV);
+        for (int h = 0; h < nkv; h++) {
+            uint16_t *kd = kc + (size_t)j * cs_b + (size_t)h * cs_h + (size_t)pos[j] * D;
+            uint16_t *vd = vc + (size_t)j * cs_b + (size_t)h * cs_h + (size_t)pos[j] * D;
+            memcpy(kd, p + (size_t)(nh + h) * D, (size_t)D * 2);
+            memcpy(vd, p + (size_t)(nh + nkv + h) * D, (size_t)D * 2);
+        }
+        for (int hq = 0; hq < nh; hq++) {
+            const int h = hq / G;
+            attend_one(p + (size_t)hq * D, kc + (size_t)j * cs_b + (size_t)h * cs_h,
+                       vc + (size_t)j * cs_b + (size_t)h * cs_h, (int)pos[j] + 1, D, scale, sc,
+                       att + (size_t)j * nh * D + (size_t)hq * D);
+        }
+    }
+    fastmtp_linear_bf16_amx(att, W16(10), BIAS(11), o, N, H, nh * D, threads);
+    fastmtp_add_rms_bf16(x, o, W16(12), t, N, H, eps[3]);
+    fastmtp_linear_bf16_amx(t, W16(13), BIAS(14), gu, N, 2 * I, H, threads);
+    fastmtp_silu_mul_bf16(gu, su, N, I);
+    fastmtp_linear_bf16_amx(su, W16(15), BIAS(16), o, N, H, I, threads);
+    fastmtp_add_rms_bf16(x, o, W16(17), out, N, H, eps[4]);
+    #undef W16
+    #undef BIAS
+    free(mem);
+    return 0;
+}

@@ -19,6 +19,8 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
 - :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
   layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
+- :class:`HeadStep`: a head's whole draft step at one token per row in one call, from the
+  same pieces (decode/lean_head.py).
 
 The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
 of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of
@@ -53,6 +55,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                        ("fastmtp_silu_mul_bf16", [P, P, I, I])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
+    lib.fastmtp_head_step_bf16.restype = ctypes.c_int
+    lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, P, P, ctypes.c_long, ctypes.c_long,
+                                           P, P, P, I]
     lib.fastmtp_amx_init.restype = ctypes.c_int
     if lib.fastmtp_amx_init() != 0:
         return None, "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
@@ -170,6 +175,39 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, h
         raise ValueError(f"{heads} heads of {head_dim} do not fit rows of {qkv.shape[1]}")
     library().fastmtp_rope_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                                 heads, head_dim, qkv.shape[1])
+
+
+class HeadStep:
+    """One draft step of a Llama-block head at one new token per row in one call of ``amx.c``
+    (``fastmtp_head_step_bf16``): the same functions and roundings as the calls of
+    decode/lean_head.py's LeanHead, which builds one from the head's tiles and norms.
+
+    ``weights``: the 18 tensors or None in the order amx.c lists (embedding, norms, tiles'
+    data, fp32 biases); ``dims``: (H, layout, query heads, key/value heads, head_dim,
+    intermediate size); ``eps``: the five norms' epsilons. The object keeps them alive."""
+
+    def __init__(self, weights: list, dims: tuple, eps: tuple):
+        self._keep = weights
+        ptrs = [0 if t is None else t.data_ptr() for t in weights]
+        self._w = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._dims = (ctypes.c_long * len(dims))(*dims)
+        self._eps = (ctypes.c_float * len(eps))(*eps)
+        self.H = dims[0]
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """ids, pos [N] int64; hidden [N, H] bf16; k, v the cache buffers [R >= N, n_kv, cap,
+        D] (row j of the batch is row j; keys written at pos); cos, sin [> max(pos), D] bf16.
+        All contiguous. Returns the head's output after its final norm [N, H]."""
+        N = ids.shape[0]
+        out = torch.empty(N, self.H, dtype=torch.bfloat16)
+        rc = _once.state["lib"].fastmtp_head_step_bf16(
+            self._w, self._dims, self._eps, ids.data_ptr(), hidden.data_ptr(), pos.data_ptr(), N,
+            k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("the head step could not allocate its scratch memory")
+        return out
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -53,12 +53,17 @@ class StepCosts:
         of K=0 cycles costs extend_ms(n)); empty: ``extend`` whatever n
     by_batch : {B: StepCosts measured with B rows}; a cycle of a batch of B rows costs what the
         nearest measured batch sizes say (linear in B between them, and beyond the largest)
+
+    Read-only once built: the costs at a batch size are computed once and kept (the controller
+    asks for the same few dozen every cycle; interpolated afresh they were most of what a
+    cycle at K=0 spent choosing its K, docs/design.md section 6.8).
     """
     verify: dict[int, float]
     draft_step: float
     extend: float
     by_batch: dict[int, "StepCosts"] = field(default_factory=dict)
     extend_by_n: dict[int, float] = field(default_factory=dict)  # {n positions: ms}, measured
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_curve(cls, curve, batched: list | None = None) -> "StepCosts":
@@ -77,15 +82,26 @@ class StepCosts:
     def verify_ms(self, n: int) -> float:
         return _interp(self.verify, n)
 
+    def _kept(self, key: tuple, fn) -> float:
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = fn()
+        return v
+
+    def verify_at(self, n: int, batch: int = 1) -> float:
+        """The target forward over ``n`` new tokens of ``batch`` rows."""
+        return self._kept(("v", n, batch), lambda: _at_batch(self, batch, lambda c: c.verify_ms(n)))
+
     def extend_ms(self, n: int, batch: int = 1) -> float:
         """The head's draft extend over ``n`` positions of ``batch`` rows (0 for n = 0)."""
         if n <= 0:
             return 0.0
-        return _at_batch(self, batch, lambda c: _interp(c.extend_by_n, n) if c.extend_by_n else c.extend)
+        return self._kept(("e", n, batch), lambda: _at_batch(
+            self, batch, lambda c: _interp(c.extend_by_n, n) if c.extend_by_n else c.extend))
 
     def cycle_ms(self, k: int, batch: int = 1) -> float:
         """A cycle at K of a batch of ``batch`` rows."""
-        return _at_batch(self, batch, lambda c: c._cycle_ms(k))
+        return self._kept(("c", k, batch), lambda: _at_batch(self, batch, lambda c: c._cycle_ms(k)))
 
     def _cycle_ms(self, k: int) -> float:
         return self.verify_ms(1) if k == 0 else self.verify_ms(k + 1) + k * self.draft_step + self.extend
@@ -130,6 +146,18 @@ def batch_class(batch: int) -> int:
     """The power of two at or below ``batch`` (1, 2, 4, 8, ...): batch sizes whose serving
     overhead is calibrated together."""
     return 1 << (max(int(batch), 1).bit_length() - 1)
+
+
+def expected_curve(est: list[float], kmax: int) -> list[float]:
+    """[E(0), E(1), ..., E(kmax)] of :func:`expected_tokens` in one pass (positions past
+    ``est``'s end add nothing)."""
+    out, total, run = [1.0], 1.0, 1.0
+    for j in range(kmax):
+        if j < len(est):
+            run *= est[j]
+            total += run
+        out.append(total)
+    return out
 
 
 def expected_tokens(est: list[float], k: int) -> float:
@@ -300,7 +328,7 @@ class AutoK:
         if k and not head_steps:
             # drafted without the head (hybrid, every row on prompt lookup): the verify alone;
             # the head's extend over these positions waits for its next drafting cycle
-            return _at_batch(self.costs, batch, lambda c: c.verify_ms(k + 1))
+            return self.costs.verify_at(k + 1, batch)
         ms = self.costs.cycle_ms(k, batch)
         if k and deferred:
             ms += self.catch_up_ms(deferred, batch)
@@ -404,7 +432,8 @@ class AutoK:
         """The K with the most expected tokens per ms for rows with these estimates
         (``deferred``, ``once``, ``left``: what a head cycle pays beyond its calls, :meth:`_head_share`)."""
         B = len(ests)
-        tokens = [sum(expected_tokens(e, k) for e in ests) for k in range(self.kmax + 1)]
+        curves = [expected_curve(e, self.kmax) for e in ests]
+        tokens = [sum(c[k] for c in curves) for k in range(self.kmax + 1)]
         rate = [tokens[k] / self.cycle_ms(k, B, once=self._head_share(once, deferred, B, left, tokens[k] / B))
                 for k in range(self.kmax + 1)]
         rate[0] *= 1.0 + self.margin_at(len(ests))
@@ -424,7 +453,8 @@ class AutoK:
         best = [max(e[j] for e in seen.values()) for j in range(self.kmax)]
         head_steps = all(src == "head" for src in seen)
         plain = (1.0 + self.margin_at(batch)) / self.cycle_ms(0, batch)
-        return any(expected_tokens(best, k) / self.cycle_ms(k, batch, head_steps) > plain
+        tokens = expected_curve(best, self.kmax)
+        return any(tokens[k] / self.cycle_ms(k, batch, head_steps) > plain
                    for k in range(1, self.kmax + 1))
 
     def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0,
@@ -484,12 +514,14 @@ class AutoK:
         its share ``once`` of the head's first reading of prompts (:meth:`once_ms`)."""
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin_at(B)), 0, [False] * B, False)  # K=0
+        # each row's E(k) for k = 0..kmax, computed once (the loop below asks for every k)
+        ehs = [expected_curve(h, self.kmax) for h in heads]
+        els_k = [expected_curve(lk[0][:lk[1]], self.kmax) if lk and lk[1] else None for lk in lookups]
         for k in range(1, self.kmax + 1):
             total, use, head = 0.0, [], False
-            els = [expected_tokens(lk[0][:min(k, lk[1])], min(k, lk[1])) if lk and lk[1] else 0.0
-                   for lk in lookups]
-            for h, el, lk in zip(heads, els, lookups):
-                eh = expected_tokens(h, k)
+            els = [c[min(k, lk[1])] if c is not None else 0.0 for c, lk in zip(els_k, lookups)]
+            for h, el, lk, ehc in zip(heads, els, lookups, ehs):
+                eh = ehc[k]
                 if splice and el and lk[1] < k:  # the head continues past the proposal's end
                     el = expected_tokens(lk[0][:lk[1]] + h[lk[1]:k], k)
                 take = el > eh

