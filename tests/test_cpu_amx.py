@@ -119,3 +119,41 @@ def test_rope_and_silu_mul_equal_pytorchs_ops():
     assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-6).all()) and (out == ref).float().mean() > 0.99
     with pytest.raises(ValueError, match="contiguous bf16"):
         ck.silu_mul(gu.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,K", [(1, 32), (17, 64), (1000, 96), (16384, 64)])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_is_the_first_maximum_of_the_products(N, K, M, threads):
+    """The index of each row's largest bf16 output, as ``linear(...).max(-1).indices`` (the
+    first of tied maxima), with rows tied on purpose (duplicated weight rows), at any thread
+    count."""
+    g = torch.Generator().manual_seed(N + K + M)
+    w = torch.randn(N, K, generator=g).to(bf)
+    if N > 20:
+        w[N - 3] = w[5]     # a tie far from its twin (another thread's share)
+        w[7] = w[5]
+    x = torch.randn(M, K, generator=g).to(bf)
+    if N > 20:
+        x[0] = w[5] * 4     # row 0's maximum is the tie
+    p = ck.pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ck.linear_argmax(x, p)
+    finally:
+        torch.set_num_threads(old)
+    want = ck.linear(x, p).max(-1).indices
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    if N > 20:
+        assert int(got[0]) == 5
+
+
+@needs_kernels
+def test_linear_argmax_refuses_what_it_cannot_take():
+    p = ck.pack(torch.randn(40, 64).to(bf))
+    for x in (torch.randn(17, 64).to(bf), torch.randn(2, 32).to(bf), torch.randn(2, 64)):
+        with pytest.raises(ValueError):
+            ck.linear_argmax(x, p)
+    assert ck.linear_argmax(torch.randn(2, 64).to(bf), p).shape == (2,)

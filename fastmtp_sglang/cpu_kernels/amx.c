@@ -17,6 +17,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -279,5 +280,63 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
     #undef W16
     #undef BIAS
     free(mem);
+    return 0;
+}
+
+/* ---------- a product and the index of each row's largest output, without writing the outputs ----------
+   What a greedy draft step needs from its vocabulary table: argmax_n bf16(x[m] . W[n]) for M <= 16
+   rows, the first index on ties (as torch.max / argmax), a NaN output winning (as torch.max).
+   The same tiles, sums and rounding as fastmtp_linear_bf16_amx; each thread keeps the best of
+   its contiguous share of blocks, and the shares are compared in order. */
+
+static inline int better(float v, int64_t i, float bv, int64_t bi) {
+    if (isnan(v)) return !isnan(bv) || i < bi;
+    if (isnan(bv)) return 0;
+    return v > bv || (v == bv && i < bi);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, int N, int K,
+                                   int64_t *out, int threads) {
+    if (M < 1 || M > 16 || threads < 1 || threads > 256) return -1;
+    int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
+    float bestv[256][16];
+    int64_t besti[256][16];
+    int used = threads;
+    #pragma omp parallel num_threads(threads)
+    {
+        float tmp[16 * 16] __attribute__((aligned(64)));
+        int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (me == 0) used = nt;
+        float *bv = bestv[me];
+        int64_t *bi = besti[me];
+        for (int m = 0; m < M; m++) { bv[m] = -INFINITY; bi[m] = -1; }
+        int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
+        if (lo < hi) amx_config(M);
+        for (int j = lo; j < hi; j++) {
+            const uint16_t *wb = w + (size_t)j * Kp * 32;
+            int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
+            _tile_zero(0);
+            for (int t = 0; t < kt; t++) {
+                _tile_loadd(1, x + t * 32, K * 2);
+                _tile_loadd(2, wb + (size_t)t * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, tmp, 64);
+            for (int m = 0; m < M; m++)
+                for (int c = 0; c < ncols; c++) {
+                    float v = bf2f(f2bf(tmp[m * 16 + c]));
+                    if (better(v, (int64_t)j * 16 + c, bv[m], bi[m])) { bv[m] = v; bi[m] = (int64_t)j * 16 + c; }
+                }
+        }
+        if (lo < hi) _tile_release();
+    }
+    for (int m = 0; m < M; m++) {
+        float v = -INFINITY;
+        int64_t i = -1;
+        for (int th = 0; th < used; th++)
+            if (besti[th][m] >= 0 && (i < 0 || better(bestv[th][m], besti[th][m], v, i))) { v = bestv[th][m]; i = besti[th][m]; }
+        out[m] = i;
+    }
     return 0;
 }

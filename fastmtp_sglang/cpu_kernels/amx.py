@@ -16,7 +16,8 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
   CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel cannot be built or the OS
   refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``: callers then keep oneDNN
   (packed_linear.py).
-- :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``.
+- :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``;
+  :func:`linear_argmax` only each row's largest output's index (a greedy draft's table pick).
 - :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
   layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
 - :class:`HeadStep`: a head's whole draft step at one token per row in one call, from the
@@ -55,6 +56,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                        ("fastmtp_silu_mul_bf16", [P, P, I, I])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
+    lib.fastmtp_linear_argmax_bf16_amx.restype = ctypes.c_int
+    lib.fastmtp_linear_argmax_bf16_amx.argtypes = [P, P, I, I, I, P, I]
     lib.fastmtp_head_step_bf16.restype = ctypes.c_int
     lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, P, P, ctypes.c_long, ctypes.c_long,
                                            P, P, P, I]
@@ -145,6 +148,25 @@ def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torc
                                     b.data_ptr() if b is not None else None, y.data_ptr(),
                                     M, p.n, K, torch.get_num_threads())
     return y.reshape(*shape[:-1], p.n)
+
+
+def linear_argmax(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """``(x @ W.T).max(-1).indices`` for a bf16 ``x`` [M, K] (M <= 16) without writing the
+    products: each row's largest bf16 output, the first on ties, a NaN winning (as torch.max).
+    Returns int64 [M]. What a greedy draft step asks of its vocabulary table."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the AMX kernel is unavailable: {unavailable_reason()}")
+    if (x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[-1] != p.k or x.device.type != "cpu"
+            or not 1 <= x.shape[0] <= 16 or p.k % TILE_K):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} {x.device} does not fit a packed bf16 "
+                         f"weight of {p.k} inputs at 1-16 rows (inputs a multiple of {TILE_K})")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if lib.fastmtp_linear_argmax_bf16_amx(x.data_ptr(), p.data.data_ptr(), x.shape[0], p.n, p.k,
+                                          out.data_ptr(), torch.get_num_threads()):
+        raise ValueError("linear_argmax: rows or threads out of range")
+    return out
 
 
 # -- the elementwise steps of a bf16 decoder layer (one call each; transformers' roundings) ----

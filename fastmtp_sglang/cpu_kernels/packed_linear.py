@@ -124,6 +124,20 @@ def prepared_linear(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch
     return _apply(x, _cached(store, key, w), None)
 
 
+def prepared_argmax(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch.Tensor:
+    """``F.linear(x, w).max(-1).indices`` (as :func:`prepared_linear`'s product): on AMX tiles
+    without writing the products where the prepared copy is tiled and ``x`` has 1-16 rows
+    (amx.linear_argmax, the same bf16 outputs and the first maximum); the product and a max
+    otherwise."""
+    if (x.dim() == 2 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and 1 <= x.shape[0] <= 16 and available() and fast_bf16()
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        prepared = _cached(store, key, w)
+        if isinstance(prepared, amx.Packed) and prepared.k % amx.TILE_K == 0:
+            return amx.linear_argmax(x, prepared)
+    return prepared_linear(x, w, store, key).max(-1).indices
+
+
 class _Fused:
     """One group of projections over the same input: the members, their prepared concatenated
     weight (with the members' weight versions it was made from) and the outputs left for the
