@@ -154,3 +154,21 @@ def test_one_call_step_grows_the_cache_and_the_rotary_table():
         assert out is not None and lean._step[1] is not None
         assert cache.capacity > 1500 and head._rope_table[0].shape[0] > 1500
         assert bool(cache.k[0, :, 1500].abs().sum() > 0)
+
+
+@needs_kernels
+def test_one_call_step_follows_a_norm_moved_to_new_storage():
+    """The kernel reads the norms and the embedding by address: a parameter given new storage
+    (as ``.to()`` or a replacing load does) rebuilds the step, which then reads the new values."""
+    t, head = _world("deepseek")
+    pack_for_inference(t.model, head, "on")
+    fused, calls = LeanHead(head), LeanHead(head)
+    calls._one_call = lambda tiles: None
+    x, tok, pos = torch.randn(1, 1, 64).to(torch.bfloat16), torch.tensor([[4]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        before = fused(x, tok, pos, head.new_cache(1, 8))
+    with torch.no_grad():
+        head.final_norm.weight.data = head.final_norm.weight.data * 2  # new storage, new values
+    with torch.inference_mode():
+        after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    assert torch.equal(after, ref) and not torch.equal(after, before)

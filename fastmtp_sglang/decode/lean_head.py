@@ -7,6 +7,12 @@ maths the way decode/lean_forward.py runs the target's layers on AMX machines: e
 the AMX-tiled weights the head's packed layers already keep (cpu_kernels/packed_linear.py), each
 elementwise step one call of cpu_kernels/amx.py with the module's roundings.
 
+A draft step (one new token per row) goes further: the whole step is one call of the kernel
+(``amx.HeadStep``: the same functions and roundings, attention over the row's cached keys in
+fp32), 0.96 -> 0.53 ms for the shipped head's block right after a target step on the AMX Xeon,
+where its ~37 calls had paid a few microseconds of dispatch each (docs/design.md section 6.9).
+Prefills and draft extends (several tokens per row) keep the calls.
+
 It covers heads without aux layers whose products all run on tiles (bf16, packed, widths a
 multiple of 32); :meth:`LeanHead.__call__` returns None otherwise, and the engine calls the
 module. Under autograd it is never used (training calls the module). The numbers differ from
@@ -45,18 +51,21 @@ class LeanHead:
         self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
                              _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
         self._tileset = TileSet(self.projs)
-        self._step: tuple | None = None   # (the tiles it was built from, amx.HeadStep or None)
+        self._step: tuple | None = None   # (tiles, amx.HeadStep or None, the other inputs' addresses)
 
     def _one_call(self, tiles: list) -> amx.HeadStep | None:
         """The whole step in one call of the kernel (:class:`amx.HeadStep`), for these tiles;
         None where its inputs are not all bf16 or its shapes do not fit it."""
-        if self._step is not None and self._step[0] is tiles:
-            return self._step[1]
         hd, cfg = self.head, self.head.cfg
         layer = hd.layer
         norms = [hd.enorm.weight, hd.hnorm.weight, layer.input_layernorm.weight,
                  layer.post_attention_layernorm.weight, hd.final_norm.weight]
         emb = hd.embed_tokens.weight
+        # the kernel reads these by address: a parameter moved to new storage (``.to()``, a
+        # load that replaces it) must rebuild the step, never leave it reading the old one
+        where = tuple((t.data_ptr(), t.dtype) for t in norms + [emb])
+        if self._step is not None and self._step[0] is tiles and self._step[2] == where:
+            return self._step[1]
         nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         step = None
         if (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in norms + [emb])
@@ -71,7 +80,7 @@ class LeanHead:
             eps = (hd.enorm.eps, hd.hnorm.eps, layer.input_layernorm.eps,
                    layer.post_attention_layernorm.eps, hd.final_norm.eps)
             step = amx.HeadStep(weights, (cfg.hidden_size, layout, nh, nkv, D, wd.k), eps)
-        self._step = (tiles, step)
+        self._step = (tiles, step, where)
         return step
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
