@@ -1,8 +1,12 @@
 """Where a draft step's time goes at batch 1 on CPU: the head's block, the projection over the
 compressed table, the argmax, and the draft extend, timed separately (medians over many calls,
 after warm-up), plus a torch.profiler table of one step. Nothing else should run meanwhile.
+The head runs as the engine runs it (packed weights; on AMX machines decode/lean_head.py, a
+draft step in one kernel call); ``--module`` times the module's forward instead. Each part is
+timed twice: back to back ("hot": its weights in cache) and right after a target step
+("cold", as a cycle's first draft step runs; what the cost curve times).
 
-    python bench/probes/draft_step_profile.py [--head DIR] [--vocab TABLE.pt] [--dtype bfloat16] [--ctx 200] [--out FILE.json]
+    python bench/probes/draft_step_profile.py [--head DIR] [--vocab TABLE.pt] [--dtype bfloat16] [--ctx 200] [--module] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def main() -> int:
     ap.add_argument("--vocab", default=None, help="table(s) to draft over (as `fastmtp bench --vocab`); "
                     "default: the head's own tables")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--module", action="store_true", help="the head's module forward, not the engine's path")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -53,6 +58,19 @@ def main() -> int:
     dt = getattr(torch, args.dtype)
     head = load_head(args.head, t.embed, t.lm_head, dtype=dt)
     vocab = resolve_vocab(args.vocab, t.tokenizer, t.lm_head, draft_dir=args.head)
+    from fastmtp_sglang.cpu_kernels.packed_linear import pack_for_inference
+    from fastmtp_sglang.decode.lean_forward import lean_forward_for
+    from fastmtp_sglang.decode.lean_head import LeanHead
+    from fastmtp_sglang.decode.slot_cache import SlotCache, use_gqa_sdpa
+
+    use_gqa_sdpa(t.model)
+    pack_for_inference(t.model, head)  # (as ReferenceEngine does)
+    fwd = lean_forward_for(t.model, "auto")
+    if args.module or fwd is None:
+        def run_head(h, i, p, c):
+            return head(h, i, p, c, return_logits=False)[0]
+    else:
+        run_head = LeanHead(head).run
     H = head.cfg.hidden_size
     g0 = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (1, args.ctx + 16), generator=g0)
@@ -72,7 +90,7 @@ def main() -> int:
             tidx, extra = vocab.choose(ids[:, :args.ctx], torch.ones(1, args.ctx, dtype=torch.bool))
 
         def block():
-            return head(g[:, None], tok, p1, cache, return_logits=False)
+            return run_head(g[:, None], tok, p1, cache)
 
         def proj():
             if vocab is None:
@@ -89,12 +107,45 @@ def main() -> int:
         vpos = torch.arange(args.ctx, args.ctx + kp)[None]
 
         def extend():
-            return head(vh, ids[:, 1:kp + 1], vpos, cache, return_logits=False)
+            return run_head(vh, ids[:, 1:kp + 1], vpos, cache)
 
         def step():
-            out, _ = block()
+            block()
             return proj()
 
+        # a target step first (its 270 MB through the caches), as a cycle's first draft step
+        tcache = SlotCache()
+        L = args.ctx
+        tids = torch.randint(0, 1000, (1, L + 1), generator=g0)
+        t.model.model(input_ids=tids[:, :L], position_ids=torch.arange(L)[None],
+                      attention_mask=torch.ones(1, L, dtype=torch.long), past_key_values=tcache, use_cache=True)
+
+        def target_step():
+            m = torch.ones(1, L + 1, dtype=torch.long)
+            pos = torch.tensor([[L]])
+            h = (fwd(tids[:, L:], pos, m, tcache)[0] if fwd is not None else
+                 t.model.model(input_ids=tids[:, L:], position_ids=pos, attention_mask=m,
+                               past_key_values=tcache, use_cache=True).last_hidden_state)
+            t.lm_head(h).float().argmax(-1)
+            tcache.crop(-1)
+
+        def after_target(fn):
+            def timed():
+                target_step()
+                t0 = time.perf_counter()
+                fn()
+                return time.perf_counter() - t0
+            return timed
+
+        def med_cold_ms(fn, n=60, warm=5):
+            for _ in range(warm):
+                after_target(fn)()
+            return statistics.median(after_target(fn)() for _ in range(n)) * 1e3
+
+        res["path"] = "module" if args.module or fwd is None else "engine (LeanHead)"
+        res["block_ms_after_target_step"] = med_cold_ms(block)
+        res["projection_argmax_ms_after_target_step"] = med_cold_ms(proj)
+        res["draft_step_ms_after_target_step"] = med_cold_ms(step)
         res["block_ms"] = med_ms(block)
         res["projection_argmax_ms"] = med_ms(proj)
         res["projection_full_vocab_ms"] = med_ms(proj_full)
