@@ -263,8 +263,8 @@ class AutoK:
         if that pays; a row where it really misses falls back at the next miss."""
         shared = self.shared.get(source)
         if shared is not None and self.relax:
-            for j, s in enumerate(shared):
-                est[j] += self.relax * (s - est[j])
+            r = self.relax  # (every row, every source, every cycle: one list pass, not an index loop)
+            est[: len(shared)] = [e + r * (s - e) for e, s in zip(est, shared)]
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float,
