@@ -935,3 +935,27 @@ def test_a_proposal_found_after_the_heads_sampled_draft_is_lossless(monkeypatch)
     head's draws otherwise: the second and third tokens follow the target's marginals."""
     res = _sampled_splices(monkeypatch, [0.95] * 3, None, prompt=[4, 9, 2, 11, 4, 9, 2])
     assert sum(c.source == "splice" for r in res for c in r.metrics.cycles) > len(res) // 10
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_plans_back_off_under_load_after_a_run_of_k0(rows):
+    """Hybrid auto where drafting does not pay at the batch's size (verification steep, rows
+    many): from 4 rows, after probe_every cycles at K=0, only one cycle in PLAN_EVERY asks prompt
+    lookup and plans; below 4 rows every cycle plans. The output is the target's either way."""
+    t, head = successor_world()
+    steep16 = StepCosts({1: 50.0, 2: 400.0, 4: 800.0}, draft_step=40.0, extend=30.0)
+    costs = StepCosts(dict(STEEP.verify), STEEP.draft_step, STEEP.extend, by_batch={2: steep16, 16: steep16})
+    auto = AutoK(costs, 3, calibrate=False, probe_every=8)
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=2), auto=auto, hybrid=True)
+    plans = []
+    real = auto.plan_hybrid
+    auto.plan_hybrid = lambda *a, **k: (plans.append(1), real(*a, **k))[1]
+    reqs = [Request([1 + i, 2 + i, 3 + i], SamplingParams(max_new_tokens=40)) for i in range(rows)]
+    res = eng.generate(reqs)
+    assert [r.output_ids for r in res] == [greedy_reference(t, r.input_ids, 40) for r in reqs]
+    cycles = max(len(r.metrics.cycles) for r in res)
+    assert all(c.drafted == 0 for r in res for c in r.metrics.cycles)  # K=0 throughout
+    if rows < eng.PLAN_BACKOFF_ROWS:
+        assert len(plans) == cycles
+    else:  # the first probe_every cycles, then one in PLAN_EVERY
+        assert len(plans) <= 8 + (cycles - 8) // eng.PLAN_EVERY + 1 and len(plans) < cycles

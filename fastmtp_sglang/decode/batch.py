@@ -97,6 +97,7 @@ class Batch:
         self.cache = self.valid = self.pending = self.pos = None
         self.dcache = self.g = self.tidx = self.extra = None
         self.zero_run = 0    # cycles in a row at K=0 (auto)
+        self.plan_rows = 0   # rows at the last hybrid plan (AutoDrafting._plan_backs_off)
         # sampled rows, auto: each verified position's probability of acceptance, [n][Kc] (set by
         # ReferenceEngine._verify; None for a greedy batch, whose outcomes are their own)
         self.accept_probs: list[list[float]] | None = None

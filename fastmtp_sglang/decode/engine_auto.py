@@ -42,12 +42,14 @@ class AutoDrafting:
         once, left = self._prompts_once(rows), self._cycles_left(rows)
         if not self.hybrid:
             return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once, left)
-        if not self.auto.room(len(rows)):
+        if not self.auto.room(len(rows)) or self._plan_backs_off(b):
             # no source could pay at this batch size, not even for rows as good as its best
-            # shared estimate (AutoK.room, the rule probes follow): K=0 without computing
-            # proposals (their cost: docs/design.md section 6.8, "The margin grows with the batch")
+            # shared estimate (AutoK.room, the rule probes follow), or the last plans at this
+            # size all found K=0: K=0 without computing proposals (their cost: docs/design.md
+            # section 6.8, "The margin grows with the batch" and "Plans back off under load")
             b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
+        b.plan_rows = len(rows)
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
         for r, (toks, m) in zip(rows, props):
@@ -58,6 +60,21 @@ class AutoDrafting:
                                                     b.deferred_positions(), once, left, self.splice)
         b.plan = [(take, m, toks) for take, (toks, m) in zip(use, props)]
         return K
+
+    PLAN_EVERY = 4      # under load, after a run of K=0: one cycle in this many plans
+    PLAN_BACKOFF_ROWS = 4  # from this many rows (below, a plan costs < 0.5% of a cycle)
+
+    def _plan_backs_off(self, b: Batch) -> bool:
+        """Hybrid auto at ``PLAN_BACKOFF_ROWS`` rows or more, after ``probe_every`` cycles in a
+        row at K=0 with no fewer rows than the last plan had: plan only one cycle in
+        ``PLAN_EVERY`` (the others run at K=0 without proposals). Why: a plan asks prompt lookup
+        for every row and prices every K for every row, ~0.3 ms at 8 rows, 1-2% of a cycle
+        there, and under load the plans keep finding K=0 (docs/design.md section 6.8, "Plans
+        back off under load"). A batch that loses rows plans at once; probes still come
+        (``probe_due`` runs in the plans made), at most ``PLAN_EVERY - 1`` cycles late."""
+        n = len(b.rows)
+        return (n >= self.PLAN_BACKOFF_ROWS and b.zero_run >= self.auto.probe_every
+                and n >= b.plan_rows and b.zero_run % self.PLAN_EVERY != 0)
 
     @staticmethod
     def _cycles_left(rows: list[Row]) -> float:
