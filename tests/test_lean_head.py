@@ -172,3 +172,21 @@ def test_one_call_step_follows_a_norm_moved_to_new_storage():
     with torch.inference_mode():
         after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
     assert torch.equal(after, ref) and not torch.equal(after, before)
+
+
+@needs_kernels
+def test_one_call_step_refuses_a_token_outside_the_embedding():
+    """A token id past the embedding's rows is refused by the kernel before it writes anything
+    (it reads the embedding row by address)."""
+    t, head = _world("deepseek")
+    pack_for_inference(t.model, head, "on")
+    lean = LeanHead(head)
+    V = head.embed_tokens.weight.shape[0]
+    with torch.inference_mode():
+        cache = head.new_cache(1, 8)
+        x = torch.randn(1, 1, 64).to(torch.bfloat16)
+        lean(x, torch.tensor([[1]]), torch.tensor([[0]]), cache)
+        before = cache.k.clone()
+        with pytest.raises(ValueError, match="embedding"):
+            lean(x, torch.tensor([[V]]), torch.tensor([[1]]), cache)
+        assert torch.equal(cache.k, before)

@@ -169,7 +169,8 @@ void fastmtp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int N, int I) {
    bias (layout 0 only), 7 ln1, 8 qkv tiles, 9 qkv bias, 10 o tiles, 11 o bias, 12 ln2, 13 gate/up
    tiles, 14 gate/up bias, 15 down tiles, 16 down bias, 17 final norm; biases fp32 or NULL.
    dims: 0 H, 1 layout (0: e_proj(en) + h_proj(hn); 1: one product of [hn | en]; 2: of [en | hn]),
-   2 query heads, 3 key/value heads, 4 head_dim, 5 intermediate size. eps: enorm, hnorm, ln1,
+   2 query heads, 3 key/value heads, 4 head_dim, 5 intermediate size, 6 the embedding's rows (a
+   token id outside them, or a negative position, returns -2 before anything is written). eps: enorm, hnorm, ln1,
    ln2, final. Every product's input width must be a multiple of 32 (LeanHead checks).
    Row j: token ids[j], input hidden[j] [H], position pos[j]; its cache rows kc/vc + j*cs_b, key
    head h at + h*cs_h, position t at + t*D; rotary rows cos/sin [>pos, D]. out [N, H]. */
@@ -217,7 +218,10 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
     #define W16(i) ((const uint16_t *)w[i])
     #define BIAS(i) (w[i] ? (const float *)w[i] : nobias)
     long maxn = 0;
-    for (int j = 0; j < N; j++) maxn = pos[j] + 1 > maxn ? pos[j] + 1 : maxn;
+    for (int j = 0; j < N; j++) {
+        if (ids[j] < 0 || ids[j] >= dims[6] || pos[j] < 0) return -2;  /* nothing written */
+        maxn = pos[j] + 1 > maxn ? pos[j] + 1 : maxn;
+    }
     /* scratch: en|hn (cat) [N, 2H], x [N, H], t [N, H], f1 [N, H], qkv [N, QKV], att [N, nh D],
        o [N, H], gu [N, 2I], su [N, I], scores [maxn] */
     size_t need = (size_t)N * (2 * H + 4 * H + QKV + nh * D + 3 * I) * 2 + (size_t)maxn * 4 + 64;

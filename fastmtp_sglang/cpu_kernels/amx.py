@@ -206,7 +206,7 @@ class HeadStep:
 
     ``weights``: the 18 tensors or None in the order amx.c lists (embedding, norms, tiles'
     data, fp32 biases); ``dims``: (H, layout, query heads, key/value heads, head_dim,
-    intermediate size); ``eps``: the five norms' epsilons. The object keeps them alive."""
+    intermediate size, the embedding's rows); ``eps``: the five norms' epsilons. The object keeps them alive."""
 
     def __init__(self, weights: list, dims: tuple, eps: tuple):
         self._keep = weights
@@ -227,6 +227,9 @@ class HeadStep:
             self._w, self._dims, self._eps, ids.data_ptr(), hidden.data_ptr(), pos.data_ptr(), N,
             k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(), sin.data_ptr(),
             out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"a token id outside the embedding's {self._dims[6]} rows, or a "
+                             "negative position, reached the head step")
         if rc:
             raise MemoryError("the head step could not allocate its scratch memory")
         return out

@@ -46,7 +46,7 @@ class AutoDrafting:
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow), or the last plans at this
             # size all found K=0: K=0 without computing proposals (their cost: docs/design.md
-            # section 6.8, "The margin grows with the batch" and "Plans back off under load")
+            # section 6.8, "The margin grows with the batch" and "Where auto's cycles go under load")
             b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
         b.plan_rows = len(rows)
@@ -69,8 +69,8 @@ class AutoDrafting:
         row at K=0 with no fewer rows than the last plan had: plan only one cycle in
         ``PLAN_EVERY`` (the others run at K=0 without proposals). Why: a plan asks prompt lookup
         for every row and prices every K for every row, ~0.3 ms at 8 rows, 1-2% of a cycle
-        there, and under load the plans keep finding K=0 (docs/design.md section 6.8, "Plans
-        back off under load"). A batch that loses rows plans at once; probes still come
+        there, and under load the plans keep finding K=0 (docs/design.md section 6.8, "Where
+        auto's cycles go under load, and plans that back off"). A batch that loses rows plans at once; probes still come
         (``probe_due`` runs in the plans made), at most ``PLAN_EVERY - 1`` cycles late."""
         n = len(b.rows)
         return (n >= self.PLAN_BACKOFF_ROWS and b.zero_run >= self.auto.probe_every

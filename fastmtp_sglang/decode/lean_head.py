@@ -79,7 +79,7 @@ class LeanHead:
                        wqkv.data, bqkv, wo.data, bo, norms[3], wgu.data, bgu, wd.data, bd, norms[4]]
             eps = (hd.enorm.eps, hd.hnorm.eps, layer.input_layernorm.eps,
                    layer.post_attention_layernorm.eps, hd.final_norm.eps)
-            step = amx.HeadStep(weights, (cfg.hidden_size, layout, nh, nkv, D, wd.k), eps)
+            step = amx.HeadStep(weights, (cfg.hidden_size, layout, nh, nkv, D, wd.k, emb.shape[0]), eps)
         self._step = (tiles, step, where)
         return step
 
