@@ -223,28 +223,26 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
         maxn = pos[j] + 1 > maxn ? pos[j] + 1 : maxn;
     }
     /* scratch: en|hn (cat) [N, 2H], x [N, H], t [N, H], f1 [N, H], qkv [N, QKV], att [N, nh D],
-       o [N, H], gu [N, 2I], su [N, I], scores [maxn] */
-    size_t need = (size_t)N * (2 * H + 4 * H + QKV + nh * D + 3 * I) * 2 + (size_t)maxn * 4 + 64;
+       o [N, H], gu [N, 2I], su [N, I], en and hn apart [N, H] each (layout 0), one row's inputs
+       [2H], scores [maxn] */
+    size_t need = (size_t)N * (2 * H + 4 * H + QKV + nh * D + 3 * I + 2 * H) * 2 + (size_t)2 * H * 2
+                  + (size_t)maxn * 4 + 64;
     char *mem = malloc(need);
     if (!mem) return -1;
     uint16_t *cat = (uint16_t *)mem, *x = cat + (size_t)N * 2 * H, *t = x + (size_t)N * H;
     uint16_t *f1 = t + (size_t)N * H, *qkv = f1 + (size_t)N * H, *att = qkv + (size_t)N * QKV;
     uint16_t *o = att + (size_t)N * nh * D, *gu = o + (size_t)N * H, *su = gu + (size_t)N * 2 * I;
-    float *sc = (float *)(((uintptr_t)(su + (size_t)N * I) + 63) & ~(uintptr_t)63);
+    uint16_t *en = su + (size_t)N * I, *hn = en + (size_t)N * H, *row = hn + (size_t)N * H;
+    float *sc = (float *)(((uintptr_t)(row + 2 * H) + 63) & ~(uintptr_t)63);
     /* the input norms into the fusion's input: [en | hn] (layouts 0, 2) or [hn | en] (1) */
     uint16_t *erow = (layout == 1) ? cat + H : cat, *hrow = (layout == 1) ? cat : cat + H;
-    uint16_t *tmp_in = (uint16_t *)malloc((size_t)2 * H * 2);
-    if (!tmp_in) { free(mem); return -1; }
     for (int j = 0; j < N; j++) {
-        memcpy(tmp_in, W16(0) + (size_t)ids[j] * H, (size_t)H * 2);
-        memcpy(tmp_in + H, hidden + (size_t)j * H, (size_t)H * 2);
-        fastmtp_add_rms_bf16(tmp_in, 0, W16(1), erow + (size_t)j * 2 * H, 1, H, eps[0]);
-        fastmtp_add_rms_bf16(tmp_in + H, 0, W16(2), hrow + (size_t)j * 2 * H, 1, H, eps[1]);
+        memcpy(row, W16(0) + (size_t)ids[j] * H, (size_t)H * 2);
+        memcpy(row + H, hidden + (size_t)j * H, (size_t)H * 2);
+        fastmtp_add_rms_bf16(row, 0, W16(1), erow + (size_t)j * 2 * H, 1, H, eps[0]);
+        fastmtp_add_rms_bf16(row + H, 0, W16(2), hrow + (size_t)j * 2 * H, 1, H, eps[1]);
     }
-    free(tmp_in);
     if (layout == 0) {  /* x = e_proj(en) + h_proj(hn), each rounded to bf16, then their sum */
-        uint16_t *en = malloc((size_t)N * H * 2), *hn = malloc((size_t)N * H * 2);
-        if (!en || !hn) { free(en); free(hn); free(mem); return -1; }
         for (int j = 0; j < N; j++) {
             memcpy(en + (size_t)j * H, cat + (size_t)j * 2 * H, (size_t)H * 2);
             memcpy(hn + (size_t)j * H, cat + (size_t)j * 2 * H + H, (size_t)H * 2);
@@ -252,7 +250,6 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
         fastmtp_linear_bf16_amx(en, W16(3), BIAS(4), x, N, H, H, threads);
         fastmtp_linear_bf16_amx(hn, W16(5), BIAS(6), f1, N, H, H, threads);
         for (size_t i = 0; i < (size_t)N * H; i++) x[i] = f2bf(bf2f(x[i]) + bf2f(f1[i]));
-        free(en); free(hn);
     } else {
         fastmtp_linear_bf16_amx(cat, W16(3), BIAS(4), x, N, H, 2 * H, threads);
     }

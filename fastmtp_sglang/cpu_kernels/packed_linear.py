@@ -118,10 +118,15 @@ def prepared_linear(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch
     use, remade when ``w`` changes) where the engine would pack an ``nn.Linear`` (bf16 on a CPU
     with bf16 units, no autograd); plain ``F.linear`` elsewhere. For weights that are slices of
     a bigger tensor rather than layers (the draft vocabulary's table rows)."""
-    if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or not available() or not fast_bf16() or (torch.is_grad_enabled() and x.requires_grad)):
+    if not _prepares(x, w):
         return F.linear(x, w)
     return _apply(x, _cached(store, key, w), None)
+
+
+def _prepares(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`prepared_linear` takes a prepared copy of ``w`` for ``x``."""
+    return (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and available() and fast_bf16() and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def prepared_argmax(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch.Tensor:
@@ -129,9 +134,7 @@ def prepared_argmax(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch
     without writing the products where the prepared copy is tiled and ``x`` has 1-16 rows
     (amx.linear_argmax, the same bf16 outputs and the first maximum); the product and a max
     otherwise."""
-    if (x.dim() == 2 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and 1 <= x.shape[0] <= 16 and available() and fast_bf16()
-            and not (torch.is_grad_enabled() and x.requires_grad)):
+    if x.dim() == 2 and 1 <= x.shape[0] <= 16 and _prepares(x, w):
         prepared = _cached(store, key, w)
         if isinstance(prepared, amx.Packed) and prepared.k % amx.TILE_K == 0:
             return amx.linear_argmax(x, prepared)

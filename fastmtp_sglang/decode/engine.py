@@ -481,23 +481,19 @@ class ReferenceEngine(AutoDrafting):
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
                                              source="splice" if c < k else "lookup" if first == "lookup" else ""))
-            if self.auto is not None and not k:  # nothing drafted: every estimate relaxes
-                self.auto.relax_estimate(r.est)
-                for n_, e in r.est_lookup.items():
-                    self.auto.relax_estimate(e, f"lookup{n_}")
-            elif self.auto is not None:
+            if self.auto is not None:
                 # the sources that drafted learn from the cycle, each at its own positions; the
                 # row's other estimates move back towards the shared ones (AutoK.relax_estimate)
-                probs = b.accept_probs[j] if b.accept_probs is not None else None
-                est = {"head": r.est, "lookup": r.est_lookup.get(m)}
-                name = {"head": "head", "lookup": f"lookup{m}"}
                 seen = set()
                 if k:
+                    probs = b.accept_probs[j] if b.accept_probs is not None else None
+                    est = {"head": r.est, "lookup": r.est_lookup.get(m)}
+                    name = {"head": "head", "lookup": f"lookup{m}"}
                     self.auto.update(est[first], c, min(acc_l[j], c), name[first], probs)
                     seen.add(first)
-                if c < k and acc_l[j] >= c:
-                    self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c, shift=shift)
-                    seen.add(second)
+                    if c < k and acc_l[j] >= c:
+                        self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c, shift=shift)
+                        seen.add(second)
                 if "head" not in seen:
                     self.auto.relax_estimate(r.est)
                 for n_, e in r.est_lookup.items():

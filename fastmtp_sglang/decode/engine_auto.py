@@ -70,8 +70,9 @@ class AutoDrafting:
         ``PLAN_EVERY`` (the others run at K=0 without proposals). Why: a plan asks prompt lookup
         for every row and prices every K for every row, ~0.3 ms at 8 rows, 1-2% of a cycle
         there, and under load the plans keep finding K=0 (docs/design.md section 6.8, "Where
-        auto's cycles go under load, and plans that back off"). A batch that loses rows plans at once; probes still come
-        (``probe_due`` runs in the plans made), at most ``PLAN_EVERY - 1`` cycles late."""
+        auto's cycles go under load, and plans that back off"). A batch that loses rows plans
+        at once; probes still come (``probe_due`` runs in the plans made), at most
+        ``PLAN_EVERY - 1`` cycles late."""
         n = len(b.rows)
         return (n >= self.PLAN_BACKOFF_ROWS and b.zero_run >= self.auto.probe_every
                 and n >= b.plan_rows and b.zero_run % self.PLAN_EVERY != 0)
