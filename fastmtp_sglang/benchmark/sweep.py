@@ -71,6 +71,10 @@ class BenchConfig:
     # the auto arm's K range: auto.max_steps, or its ceiling until build_engines settles it from
     # this machine's costs (decode/auto_setup.py); 0 = no auto arm
     auto_steps: int = 0
+    # the head with leaves (decode/leaves.py): arms at these K, each drafted position with
+    # leaf_width candidates (the chain's and leaf_width - 1 leaves); in-process
+    leaf_steps: list[int] = field(default_factory=list)
+    leaf_width: int = 3
 
     def __post_init__(self) -> None:
         if not self.steps or any(k < 0 for k in self.steps):
@@ -85,6 +89,11 @@ class BenchConfig:
         if any(k < 1 for k in self.ngram_steps):
             raise ValueError(f"ngram steps must be >= 1, got {self.ngram_steps}")
         self.ngram_steps = sorted(set(self.ngram_steps))
+        if any(k < 1 for k in self.leaf_steps):
+            raise ValueError(f"leaf steps must be >= 1, got {self.leaf_steps}")
+        if self.leaf_steps and self.leaf_width < 2:
+            raise ValueError(f"--draft-width must be >= 2 for leaf arms, got {self.leaf_width}")
+        self.leaf_steps = sorted(set(self.leaf_steps))
         if self.auto is not None and not self.auto_steps:
             self.auto_steps = self.auto.ceiling
         if self.auto is None:
@@ -95,6 +104,7 @@ class BenchConfig:
         """(drafter, K) of every timed configuration: the head at each K (K=0 = plain decoding)
         and prompt lookup at each ngram K, and the auto arm (K chosen per cycle up to auto_steps)."""
         return ([("head", k) for k in self.steps] + [("ngram", k) for k in self.ngram_steps]
+                + [("leaves", k) for k in self.leaf_steps]
                 + ([("auto", self.auto_steps)] if self.auto_steps else []))
 
     def sampling_params(self) -> dict[str, Any]:
@@ -117,7 +127,7 @@ class Sample:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     repeat: int = 0
-    drafter: str = "head"       # "head" (K=0: plain decoding), "ngram" (prompt lookup) or "auto"
+    drafter: str = "head"       # "head" (K=0: plain decoding), "ngram" (prompt lookup), "leaves" or "auto"
     drafted: list[int] | None = None  # per-cycle drafts verified (auto: the K each cycle chose)
     lookup_cycles: int = 0            # hybrid: cycles that took prompt lookup's proposal
     splice_cycles: int = 0            # hybrid: cycles whose proposal the head continued
@@ -167,18 +177,21 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
         res["overall"][k] = _stats(_group(samples, k, None), k, cfg.repeats)
         for c in cats:
             res["categories"][c][k] = _stats(_group(samples, k, c), k, cfg.repeats)
-    if cfg.ngram_steps:  # prompt lookup, on the same prompts, against the same K=0 runs
-        res["ngram"] = {"overall": {k: _stats(_group(samples, k, None, "ngram"), k, cfg.repeats)
-                                    for k in cfg.ngram_steps},
-                        "categories": {c: {k: _stats(_group(samples, k, c, "ngram"), k, cfg.repeats)
-                                           for k in cfg.ngram_steps} for c in cats}}
+    # prompt lookup and the head with leaves, on the same prompts, against the same K=0 runs
+    for extra, ks in (("ngram", cfg.ngram_steps), ("leaves", cfg.leaf_steps)):
+        if ks:
+            res[extra] = {"overall": {k: _stats(_group(samples, k, None, extra), k, cfg.repeats) for k in ks},
+                          "categories": {c: {k: _stats(_group(samples, k, c, extra), k, cfg.repeats)
+                                             for k in ks} for c in cats}}
+    if cfg.leaf_steps:
+        res["leaves"]["width"] = cfg.leaf_width
     if cfg.auto_steps:  # K per cycle from the measured costs, against the same K=0 runs
         ka = cfg.auto_steps
         res["auto"] = {"overall": {ka: _stats(_group(samples, ka, None, "auto"), ka, cfg.repeats)},
                        "categories": {c: {ka: _stats(_group(samples, ka, c, "auto"), ka, cfg.repeats)}
                                       for c in cats}}
     blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
-    for extra in ("ngram", "auto"):
+    for extra in ("ngram", "leaves", "auto"):
         if extra in res:
             blocks += [(extra, None, res[extra]["overall"]),
                        *[(extra, c, res[extra]["categories"][c]) for c in cats]]
@@ -267,6 +280,8 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     if "ngram" in res:
         problems += _block_problems({0: res["overall"][0], **res["ngram"]["overall"]}, cfg,
                                     "prompt lookup")
+    if "leaves" in res:
+        problems += _block_problems({0: res["overall"][0], **res["leaves"]["overall"]}, cfg, "leaves")
     if "auto" in res:
         problems += _block_problems({0: res["overall"][0], **res["auto"]["overall"]}, cfg, "auto")
     # run-to-run: the paired speedup (arm / K=0 on the same prompt and repeat) must agree across
@@ -274,6 +289,7 @@ def timing_guard(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     spreads = {}
     arms = ([(f"K={k}", r) for k, r in res["overall"].items() if k]
             + [(f"prompt lookup K={k}", r) for k, r in res.get("ngram", {}).get("overall", {}).items()]
+            + [(f"leaves K={k}", r) for k, r in res.get("leaves", {}).get("overall", {}).items()]
             + [(f"auto (K<={k})", r) for k, r in res.get("auto", {}).get("overall", {}).items()])
     for label, r in arms:
         reps = [x for x in r.get("speedup_repeats", []) if x > 0]
@@ -364,6 +380,8 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
                                             draft_vocab=draft_vocab if k else None) for k in cfg.steps}
     engines.update({("ngram", k): ReferenceEngine(target, None, k, max_context, drafter=NgramDrafter())
                     for k in cfg.ngram_steps})
+    engines.update({("leaves", k): ReferenceEngine(target, head, k, max_context, draft_vocab=draft_vocab,
+                                                   width=cfg.leaf_width) for k in cfg.leaf_steps})
     if cfg.auto is not None:
         curve = cost_curve or auto_costs(target, head, cfg.auto, draft_vocab, progress)
         batched = [auto_costs(target, head, cfg.auto, draft_vocab, progress, batch=b)
@@ -378,7 +396,7 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
 
 def arm_key(drafter: str, k: int) -> str:
     """An arm's key in results.json: "0", "3" (the head at K), "lookup3", "auto"."""
-    return {"head": str(k), "ngram": f"lookup{k}", "auto": "auto"}[drafter]
+    return {"head": str(k), "ngram": f"lookup{k}", "leaves": f"leaves{k}", "auto": "auto"}[drafter]
 
 
 def auto_costs(target, head, spec: AutoSpec, draft_vocab=None, progress: bool = True, batch: int = 1):
@@ -515,7 +533,9 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f"| {k} | {r['tau']:.3f} | {_fmt_pct(r.get('A_k'))} | {_fmt_pct(r.get('a_k'))} | "
             f"{r['tokens_per_s']:.2f} | {sp} | {_ms(r, 'draft_ms_per_cycle')} | "
             f"{_ms(r, 'verify_ms_per_cycle')} | {r.get('same_output_as_k0', '-')} |")
+    lw = results.get("leaves", {}).get("width")
     extra_rows = ([(f"prompt lookup {k}", r) for k, r in results.get("ngram", {}).get("overall", {}).items()]
+                  + [(f"{k} + leaves (width {lw})", r) for k, r in results.get("leaves", {}).get("overall", {}).items()]
                   + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f}"
                       + (f", lookup {100 * r['lookup_share']:.0f}% of cycles" if r.get("lookup_share") else "")
                       + (f", spliced {100 * r['splice_share']:.0f}%" if r.get("splice_share") else "")
@@ -531,15 +551,20 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
               "| category | " + " | ".join(f"K={k}" for k in results["overall"]) + " |",
               "|---|" + "---|" * len(results["overall"])]
     ng = results.get("ngram", {}).get("categories", {})
+    lv = results.get("leaves", {}).get("categories", {})
     au = results.get("auto", {}).get("categories", {})
     if ng:
         lines[-2] += "".join(f" lookup {k} |" for k in results["ngram"]["overall"])
         lines[-1] += "---|" * len(results["ngram"]["overall"])
+    if lv:
+        lines[-2] += "".join(f" {k} + leaves |" for k in results["leaves"]["overall"])
+        lines[-1] += "---|" * len(results["leaves"]["overall"])
     if au:
         lines[-2] += " auto |"
         lines[-1] += "---|"
     for c, block in results["categories"].items():
-        cells = list(block.values()) + list(ng.get(c, {}).values()) + list(au.get(c, {}).values())
+        cells = (list(block.values()) + list(ng.get(c, {}).values()) + list(lv.get(c, {}).values())
+                 + list(au.get(c, {}).values()))
         lines.append(f"| {c} | " + " | ".join(
             f"{r['tau']:.2f}" + ("" if bad else f" / {r['speedup']:.2f}x") for r in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -569,6 +594,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
     ng = results.get("ngram", {}).get("overall", {})
     if ng:  # tau does not depend on timing: drawn even when the timing is contaminated
         a1.plot(list(ng), [r["tau"] for r in ng.values()], "s--", color="C2", label="prompt lookup")
+    lv = results.get("leaves", {}).get("overall", {})
+    if lv:
+        a1.plot(list(lv), [r["tau"] for r in lv.values()], "D-.", color="C4", label="head + leaves")
     au = results.get("auto", {}).get("overall", {})
     for k, r in au.items():  # drawn at its mean K
         a1.plot([r.get("mean_k", k)], [r["tau"]], "*", ms=11, color="C3", label=f"auto (K<={k})")
@@ -582,9 +610,11 @@ def plot(results: dict[str, Any], path: Path, title: str) -> bool:
         if ng:
             a2.plot(list(ng), [r["speedup"] for r in ng.values()], "s--", color="C2",
                     label="prompt lookup")
+        if lv:
+            a2.plot(list(lv), [r["speedup"] for r in lv.values()], "D-.", color="C4", label="head + leaves")
         for k, r in au.items():
             a2.plot([r.get("mean_k", k)], [r["speedup"]], "*", ms=11, color="C3", label=f"auto (K<={k})")
-        if ng or au:
+        if ng or lv or au:
             a2.legend(fontsize=8)
     a2.axhline(1.0, color="grey", ls=":")
     a2.set_xlabel("K (draft steps)"); a2.set_ylabel("speedup over K=0")

@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.url and cfg.ngram_steps:
         raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url (or run "
                            "prompt lookup on the server side)")
+    if args.url and cfg.leaf_steps:
+        raise FastMTPError("--leaf-steps runs the reference engine in-process: drop --url")
     if args.url:
         from transformers import AutoTokenizer
 
@@ -143,7 +145,10 @@ def config_from_args(args: argparse.Namespace):
                            warmup=not args.no_warmup, max_spread=args.max_spread,
                            ngram_steps=parse_steps(args.ngram_steps, "--ngram-steps")[0]
                            if args.ngram_steps else [],
-                           auto=AutoSpec.from_cli_args(args) if auto else None)
+                           auto=AutoSpec.from_cli_args(args) if auto else None,
+                           leaf_steps=parse_steps(args.leaf_steps, "--leaf-steps")[0]
+                           if getattr(args, "leaf_steps", "") else [],
+                           leaf_width=getattr(args, "draft_width", 3))
     except ValueError as exc:
         raise FastMTPError(str(exc)) from None
 
@@ -170,6 +175,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-steps", default="", help="also run prompt lookup (n-gram drafting, "
                    "the model-free peer) at these K, comma-separated, in the same run and table "
                    "(in-process only; default none)")
+    p.add_argument("--leaf-steps", default="", help="also run the head with leaves at these K, "
+                   "comma-separated: each drafted position verifies --draft-width candidates (the "
+                   "head's draft and its next choices) in the same target forward (in-process only; "
+                   "default none)")
+    p.add_argument("--draft-width", type=int, default=3, help="candidates per drafted position of "
+                   "the --leaf-steps arms (default 3)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of one "
                    "prompt at every K (timings then include first-call costs: not for publishing)")
     p.add_argument("--max-spread", type=float, default=0.15, help="timing guard: largest allowed "

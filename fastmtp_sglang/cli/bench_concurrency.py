@@ -87,6 +87,8 @@ def _servers(args: argparse.Namespace, cfg):
 
     if cfg.ngram_steps:
         raise FastMTPError("--ngram-steps runs prompt lookup in-process: drop --url")
+    if cfg.leaf_steps:
+        raise FastMTPError("--leaf-steps runs the reference engine in-process: drop --url")
     if not args.target:
         raise FastMTPError("--url needs --target (a directory with the tokenizer) for the chat template")
     urls, _ = servers_by_k(args.url)

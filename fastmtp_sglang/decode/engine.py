@@ -41,6 +41,7 @@ from fastmtp_sglang.decode.engine_auto import AutoDrafting, sync
 from fastmtp_sglang.decode.lean_forward import lean_forward_for
 from fastmtp_sglang.decode.lean_head import LeanHead
 from fastmtp_sglang.decode.capture import capture_prompts, capture_verified
+from fastmtp_sglang.decode import leaves
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.stops import emit
@@ -79,6 +80,21 @@ class Result:
 DEFER_MAX = 128
 
 
+def _check_width(width, head, drafter, auto, lean) -> int:
+    """``ReferenceEngine``'s ``width``, checked: leaves need the head at a fixed K and the lean
+    forward (their attention is a tree)."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an integer >= 1 (candidates per drafted position), got {width!r}")
+    if width > 1:
+        if head is None or drafter is not None or auto is not None:
+            raise ValueError("width > 1 (leaves) drafts with the head at a fixed K: not with prompt "
+                             "lookup or --steps auto; use --steps K with a head")
+        if lean is None:
+            raise ValueError("width > 1 (leaves) needs the lean forward (llama, qwen2, mistral; "
+                             "FASTMTP_LEAN_FORWARD not 'off'): their attention is a tree")
+    return width
+
+
 class ReferenceEngine(AutoDrafting):
     """Speculative decoding with a transformers target and a FastMTPHead draft.
 
@@ -101,11 +117,15 @@ class ReferenceEngine(AutoDrafting):
         and the head's linear layers on prepared oneDNN weights; None reads FASTMTP_PACKED_LINEAR
     lean : "auto" (default: where the model is covered) or "off": the target's forward through
         decode/lean_forward.py (same numbers, fewer calls); None reads FASTMTP_LEAN_FORWARD
+    width : candidates per drafted position (default 1, a chain): the head's draft and ``width
+        - 1`` leaves beside it, verified in the same forward (decode/leaves.py); the head at a
+        fixed K only, through the lean forward
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
                  draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
-                 packed: str | None = None, lean: str | None = None, splice: bool = False):
+                 packed: str | None = None, lean: str | None = None, splice: bool = False,
+                 width: int = 1):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
@@ -129,6 +149,7 @@ class ReferenceEngine(AutoDrafting):
         self.lean = lean_forward_for(self.model, lean)
         # and the head's on the bf16 CPU kernels where they run (decode/lean_head.py), or None
         self.lean_head = LeanHead(head) if head is not None and self.lean is not None else None
+        self.width = _check_width(width, head, drafter, auto, self.lean)
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
@@ -159,13 +180,14 @@ class ReferenceEngine(AutoDrafting):
             raise RequestError(f"input_ids must lie in [0, {vocab})")
 
     # -- target calls -----------------------------------------------------------------------
-    def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
+                tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, pos [B, S]; mask [B, slots + S] -> (post-norm hidden [B, S, H], the head's input
-        from the target: the same tensor, or [B, S, (n+1) H] for a head with n aux layers)."""
+        from the target: the same tensor, or [B, S, (n+1) H] for a head with n aux layers).
+        ``tree`` [S, S]: what each new token sees of the others (default causal; lean only)."""
         aux = self.head.cfg.aux_hidden_states if self.head is not None else ()
         if self.lean is not None:
-            last, hs = self.lean(ids, pos, mask, cache, keep=tuple(aux))
+            last, hs = self.lean(ids, pos, mask, cache, keep=tuple(aux), tree=tree)
             return last, head_input(SimpleNamespace(last_hidden_state=last, hidden_states=hs), aux)
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                past_key_values=cache, use_cache=True, output_hidden_states=bool(aux))
@@ -342,6 +364,7 @@ class ReferenceEngine(AutoDrafting):
         drafts = torch.empty(n, K, dtype=torch.long, device=dev)
         qs: list = []
         Kc = K
+        b.leaves = b.took_leaf = None  # [n, K, width - 1] where the head drafted with leaves (decode/leaves.py)
         if self.hybrid:
             return self._draft_hybrid(b, K)
         if self.drafter is not None and K:
@@ -375,7 +398,11 @@ class ReferenceEngine(AutoDrafting):
                 pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
                 g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
                 b.g = g[:, 0]
-            d, q = b.draft_pick(b.g)
+            if self.width > 1 and over is None:
+                d, q, lv = leaves.candidates(b, b.g, self.width)
+                b.leaves = lv[:, None] if k == 1 else torch.cat([b.leaves, lv[:, None]], 1)
+            else:
+                d, q = b.draft_pick(b.g)
             drafts[:, k - 1] = d if over is None else torch.where(over[:, k - 1] >= 0, over[:, k - 1], d)
             if k < K and requery and any(requery):
                 self._requery(b, drafts, over, requery, k, K)
@@ -389,6 +416,8 @@ class ReferenceEngine(AutoDrafting):
         [n, Kc+1], accepted [n], emitted [n, Kc+1]).
         Row i accepts at most ``room[i]`` (<= Kc) drafts: what still fits its context."""
         dev, n = self.device, len(b)
+        if b.leaves is not None and Kc:
+            return self._verify_leaves(b, drafts, qs, Kc, room)
         vin = torch.cat([b.pending[:, None], drafts], dim=1)                         # [n, Kc+1]
         # slots past a row's context are verified (one forward for the batch) but never
         # accepted: their positions are clamped into the context (rotary tables end there)
@@ -430,6 +459,39 @@ class ReferenceEngine(AutoDrafting):
             b.valid = b.valid[:, :used]
         b.repack()  # a long-lived batch: keep its holes bounded
         return vf, vpos, acc, emitted
+
+    def _verify_leaves(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
+        """``_verify`` for a cycle drafted with leaves (decode/leaves.py): one target forward over
+        the chain and its leaves; the accepted path's states come back in the chain's layout and
+        ``drafts`` holds the path's tokens (a leaf in place of the draft it stood beside)."""
+        dev, n, W = self.device, len(b), self.width
+        vin = torch.cat([b.pending[:, None], drafts, b.leaves.reshape(n, -1).clamp(min=0)], dim=1)
+        S = vin.shape[1]                                                              # 1 + Kc W
+        vpos = leaves.positions(b.pos, Kc, W).clamp(max=self.max_context - 1)
+        b.valid = torch.cat([b.valid, torch.ones(n, S, dtype=torch.bool, device=dev)], dim=1)
+        vh, vf = self._target(vin, vpos, b.valid.long(), b.cache, tree=leaves.tree_mask(Kc, W, dev))
+        b.accept_probs = None
+        tlogits = self.target.lm_head(vh).float()                                     # [n, S, V]
+        acc, emitted, path, b.took_leaf = leaves.verify(drafts, b.leaves, qs, tlogits, b, room.tolist())
+        # the accepted path in the chain's layout: what capture, the extend and the caller read
+        take = path[..., None]
+        same = vf is vh
+        vh = vh.gather(1, take.expand(-1, -1, vh.shape[-1]))
+        vf = vh if same else vf.gather(1, take.expand(-1, -1, vf.shape[-1]))
+        tlogits = tlogits.gather(1, take.expand(-1, -1, tlogits.shape[-1]))
+        slot = torch.arange(Kc, device=dev)[None]
+        drafts.copy_(torch.where(slot < acc[:, None], emitted[:, :Kc], drafts))
+        capture_verified(b.rows, vh, tlogits, acc)
+        # rollback: only the path's slots stay
+        keep = torch.zeros(n, S, dtype=torch.bool, device=dev)
+        keep.scatter_(1, torch.where(torch.arange(Kc + 1, device=dev)[None] <= acc[:, None], path, 0), True)
+        b.valid[:, -S:] = keep
+        used = int(b.valid.any(0).nonzero().max()) + 1
+        if used < b.valid.shape[1]:
+            b.cache.crop(used - b.valid.shape[1])
+            b.valid = b.valid[:, :used]
+        b.repack()
+        return vf, vpos[:, : Kc + 1], acc, emitted
 
     def _draft_extend(self, b: Batch, drafts: torch.Tensor, vh: torch.Tensor, vpos: torch.Tensor,
                       acc: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
@@ -480,7 +542,8 @@ class ReferenceEngine(AutoDrafting):
             second = "head" if first == "lookup" else "lookup"
             r.metrics.cycles.append(CycleLog(accepted=acc_l[j], draft_s=t_draft / n,
                                              verify_s=t_verify / n, drafted=k,
-                                             source="splice" if c < k else "lookup" if first == "lookup" else ""))
+                                             source="splice" if c < k else "lookup" if first == "lookup" else "",
+                                             leaf=bool(b.took_leaf and b.took_leaf[j])))
             if self.auto is not None:
                 # the sources that drafted learn from the cycle, each at its own positions; the
                 # row's other estimates move back towards the shared ones (AutoK.relax_estimate)

@@ -183,7 +183,8 @@ class LeanForward:
     Call as ``lean(ids, pos, mask, cache, keep=())`` -> (post-norm hidden [B, S, H], hidden
     states or None): ``mask`` [B, slots + S] 0/1 as the engine passes transformers; ``keep`` the
     indices of transformers' ``hidden_states`` tuple wanted (0 = embeddings, i = after layer i,
-    the last = the final norm's output), returned as a dict."""
+    the last = the final norm's output), returned as a dict; ``tree`` [S, S] bool, what each new
+    token sees of the new ones (default: the causal rule)."""
 
     def __init__(self, model):
         why = unsupported(model)
@@ -205,7 +206,7 @@ class LeanForward:
         self._tileset = TileSet([pr for layer in self.layers for pr in (layer[1], layer[2], layer[4], layer[5])])
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
-                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict | None]:
+                 keep: tuple[int, ...] = (), tree: torch.Tensor | None = None) -> tuple[torch.Tensor, dict | None]:
         B, S = ids.shape
         N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
         x = self.inner.embed_tokens(ids)
@@ -213,7 +214,13 @@ class LeanForward:
         cos, sin = cos.reshape(N, 1, D), sin.reshape(N, 1, D)
         x = x.reshape(N, -1)
         T = mask.shape[1]
-        if S == 1 and bool(mask.all()):
+        if tree is not None:  # [S, S]: which new tokens each new token sees (decode/leaves.py)
+            if tree.shape != (S, S):
+                raise ValueError(f"tree must be [S, S] = [{S}, {S}], got {tuple(tree.shape)}")
+            seen = torch.ones(S, T, dtype=torch.bool, device=ids.device)
+            seen[:, T - S:] = tree
+            amask = seen[None, None] & mask.bool()[:, None, None, :]
+        elif S == 1 and bool(mask.all()):
             amask = None
         else:  # key j is seen by new token i when it is filled and no later than i's own slot
             kv = torch.arange(T, device=ids.device)

@@ -19,6 +19,7 @@ class CycleLog:
     verify_s: float = 0.0
     drafted: int | None = None  # drafts verified this cycle (differs from the engine's K under auto)
     source: str = ""            # hybrid: "lookup" when the row took prompt lookup's proposal, "splice" when the head continued it
+    leaf: bool = False          # width > 1: the last accepted draft was a leaf, not the chain's (decode/leaves.py)
 
 
 @dataclass
