@@ -18,7 +18,7 @@ import torch
 
 from fastmtp_sglang.decode.capture import Capture
 from fastmtp_sglang.decode.metrics import RequestMetrics
-from fastmtp_sglang.decode.sampling import logits_to_probs, sample, sample_rows
+from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, sample, sample_rows
 
 REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
 
@@ -150,7 +150,7 @@ class Batch:
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [n, V], one row per batch row -> (tokens [n], probs [n, V] or None)."""
         if self.greedy:
-            return logits.argmax(-1), None
+            return first_argmax(logits), None
         probs = logits_to_probs(logits.float(), self.temp, self.top_p, self.top_k)
         toks = torch.cat([sample(probs[i:i + 1], g) for i, g in enumerate(self.gens)])
         return toks, probs
@@ -160,7 +160,7 @@ class Batch:
         K=0 cycle): logits [n, V] -> tokens [n], each row from its own distribution and
         generator, top-k rows without a sort of the vocabulary (sampling.sample_rows)."""
         if self.greedy:
-            return logits.argmax(-1)
+            return first_argmax(logits)
         return sample_rows(logits, [r.req.params for r in self.rows], self.gens)
 
     def draft_pick(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -45,7 +45,7 @@ from fastmtp_sglang.decode import leaves
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.stops import emit
-from fastmtp_sglang.decode.sampling import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
+from fastmtp_sglang.decode.sampling import SamplingParams, first_argmax, logits_to_probs, verify_greedy, verify_sampling
 
 
 class RequestError(ValueError):
@@ -435,7 +435,7 @@ class ReferenceEngine(AutoDrafting):
             if min(cap) < Kc:  # the emitted prefix is the target's argmax: cut it at the cap
                 acc = torch.minimum(acc, room)
                 slot = torch.arange(Kc + 1, device=dev)[None]
-                emitted = torch.where(slot <= acc[:, None], tlogits.argmax(-1), -1)
+                emitted = torch.where(slot <= acc[:, None], first_argmax(tlogits), -1)
         else:
             p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
                                 b.temp.repeat_interleave(Kc + 1),

@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastmtp_sglang.core.attention import grouped_attention
+from fastmtp_sglang.core.attention import fold_mask, grouped_attention
 from fastmtp_sglang.cpu_kernels import amx, decode_attention
 from fastmtp_sglang.cpu_kernels.packed_linear import FUSED_MAX_ROWS, _apply, fused_group, packed_weight, runs_packed
 
@@ -93,6 +93,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, amask: torch.Tens
     if S == 1 and decode_attention.fits(q, k) and decode_attention.available():
         B, T = k.shape[0], k.shape[2]
         return decode_attention.decode_attention(q, k, v, None if amask is None else amask.view(B, T), scale)
+    if S > 1 and amask is not None:  # folded once per forward by LeanForward (fold_mask)
+        return grouped_attention(q, k, v, amask, scale, folded=True)
     return grouped_attention(q, k, v, amask, scale, causal=bool(S > 1 and amask is None))
 
 
@@ -226,6 +228,8 @@ class LeanForward:
             kv = torch.arange(T, device=ids.device)
             qi = torch.arange(T - S, T, device=ids.device)
             amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
+        if S > 1 and amask is not None:  # the layers share it: fold it for grouped_attention once
+            amask = fold_mask(amask, nh, nkv, x.dtype)
         L = len(self.layers)
         if x.dtype == torch.bfloat16 and amx.available() and runs_packed(self.layers[0][2].members[0], x):
             tiles = self._tiles()

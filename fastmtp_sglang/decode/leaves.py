@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from fastmtp_sglang.decode.sampling import logits_to_probs, sample
+from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, sample
 
 __all__ = ["candidates", "positions", "tree_mask", "verify"]
 
@@ -125,16 +125,12 @@ def verify(chain: torch.Tensor, leaves: torch.Tensor, qs: list, tlogits: torch.T
     path = torch.zeros(n, K + 1, dtype=torch.long)
     took_leaf = [False] * n
     if b.greedy:
-        am = tlogits.argmax(-1).tolist()
+        am = first_argmax(tlogits).tolist()
         walk = [_walk_greedy(chain[i].tolist(), leaves[i].tolist(), am[i], cap[i], K, W)
                 for i in range(n)]
     else:
-        p = logits_to_probs(tlogits.reshape(n * tlogits.shape[1], -1),
-                            b.temp.repeat_interleave(tlogits.shape[1]),
-                            b.top_p.repeat_interleave(tlogits.shape[1]),
-                            b.top_k.repeat_interleave(tlogits.shape[1])).view(n, tlogits.shape[1], -1)
-        walk = [_walk_sampled(chain[i].tolist(), leaves[i].tolist(), [q[i] for q in qs], p[i],
-                              cap[i], K, W, b.gens[i]) for i in range(n)]
+        walk = [_walk_sampled(chain[i].tolist(), leaves[i].tolist(), [q[i] for q in qs],
+                              _target_probs(tlogits, b, i), cap[i], K, W, b.gens[i]) for i in range(n)]
     for i, (toks, nodes, leaf) in enumerate(walk):
         a = len(toks) - 1
         acc[i] = a
@@ -143,6 +139,19 @@ def verify(chain: torch.Tensor, leaves: torch.Tensor, qs: list, tlogits: torch.T
         path[i, a + 1:] = nodes[-1]
         took_leaf[i] = leaf
     return acc.to(dev), emitted.to(dev), path.to(dev), took_leaf
+
+
+def _target_probs(tlogits: torch.Tensor, b, i: int):
+    """Row i's p at a node, computed when the walk first reads it (a walk reads the chain's
+    nodes up to its first rejection and at most one leaf's: ~3 of 10 at K=3, width 3)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def at(node: int) -> torch.Tensor:
+        if node not in memo:
+            memo[node] = logits_to_probs(tlogits[i, node][None], b.temp[i:i + 1], b.top_p[i:i + 1],
+                                         b.top_k[i:i + 1])[0].float()
+        return memo[node]
+    return at
 
 
 def _walk_greedy(chain: list[int], leaves: list[list[int]], am: list[int], cap: int, K: int, W: int):
@@ -162,12 +171,13 @@ def _walk_greedy(chain: list[int], leaves: list[list[int]], am: list[int], cap: 
     return toks + [am[node]], nodes, False
 
 
-def _walk_sampled(chain: list[int], leaves: list[list[int]], qs: list[torch.Tensor], p: torch.Tensor,
+def _walk_sampled(chain: list[int], leaves: list[list[int]], qs: list[torch.Tensor], p,
                   cap: int, K: int, W: int, gen):
+    """As _walk_greedy, sampled; p(node) is the target's distribution at a node."""
     node, toks, nodes = 0, [], [0]
     for k in range(1, cap + 1):
         # (r, q): the distribution being sampled and the last candidate's, which drew `tried`
-        r, q, tried = p[node].float(), qs[k - 1].float(), chain[k - 1]
+        r, q, tried = p(node), qs[k - 1].float(), chain[k - 1]
         if _keep(tried, r, q, gen):
             node = k
             toks.append(tried)
@@ -185,11 +195,11 @@ def _walk_sampled(chain: list[int], leaves: list[list[int]], qs: list[torch.Tens
             r, q, tried = _residual(r, q), q_next / mass, x
             if _keep(x, r, q, gen):
                 node = leaf_node(K, W, k, j)
-                nxt = int(sample(p[node][None].float(), generator=gen)[0])
+                nxt = int(sample(p(node)[None], generator=gen)[0])
                 return toks + [x, nxt], nodes + [node], True
         last = int(sample(_residual(r, q)[None], generator=gen)[0])
         return toks + [last], nodes, False
-    return toks + [int(sample(p[node][None].float(), generator=gen)[0])], nodes, False
+    return toks + [int(sample(p(node)[None], generator=gen)[0])], nodes, False
 
 
 def _keep(x: int, r: torch.Tensor, q: torch.Tensor, gen) -> bool:

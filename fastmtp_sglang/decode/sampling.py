@@ -29,12 +29,20 @@ import torch
 
 __all__ = [
     "SamplingParams",
+    "first_argmax",
     "logits_to_probs",
     "sample",
     "sample_rows",
     "verify_greedy",
     "verify_sampling",
 ]
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the index of the first maximum along the last axis, through
+    ``max(-1)``, which returns the same index (the first of tied maxima) ~3x faster on CPU
+    (fp32, 49K wide: 25 against 72 us a row at 1 row, 120 against 371 at 10)."""
+    return x.max(-1).indices
 
 
 def _is_int(x: Any) -> bool:
@@ -308,7 +316,7 @@ def sample_rows(
     if logits.ndim != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
         raise ValueError(f"logits [N, V] with N params and generators, got {tuple(logits.shape)}, "
                          f"{len(params)} params, {len(generators)} generators")
-    toks = logits.argmax(-1)
+    toks = first_argmax(logits)
     if all(p.is_greedy for p in params):
         return toks
     fast = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k <= TOPK_FAST]
@@ -404,7 +412,7 @@ def verify_greedy(
     """
     _check_verify_shapes(draft_ids, target_logits, "target_logits")
     k = draft_ids.shape[1]
-    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    argmax = first_argmax(target_logits)  # [B, K+1]
     num_accepted = _num_accepted(draft_ids == argmax[:, :k])
     # Accepted drafts equal the argmax, so the emitted prefix is the argmax itself.
     pos = torch.arange(k + 1, device=argmax.device)[None, :]
