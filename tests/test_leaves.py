@@ -92,7 +92,7 @@ def test_one_position_keeps_the_target_distribution(W):
         cand = torch.multinomial(q, W, replacement=False, generator=b.gens[0])
         chain = cand[:1][None]
         lv = cand[1:][None, None] if W > 1 else torch.empty(1, 1, 0, dtype=torch.long)
-        acc, em, path, _ = leaves.verify(chain, lv, [q[None]], tl.expand(1, 1 + W, V), b, [1])
+        acc, em, path, _, _ = leaves.verify(chain, lv, [q[None]], tl.expand(1, 1 + W, V), b, [1])
         counts[em[0, 0]] += 1
         accepted += int(acc[0])
     emp = counts / n
@@ -114,7 +114,7 @@ def test_a_leaf_ends_the_walk_with_the_target_token_after_it():
     tl[0, 0, 7] = 5.0                              # after pending: 7 (not the chain's 5)
     tl[0, leaves.leaf_node(K, W, 1, 0), 9] = 5.0   # after the leaf 7: 9
     b = SimpleNamespace(greedy=True)
-    acc, em, path, took = leaves.verify(torch.tensor([[5, 6]]), torch.tensor([[[7], [8]]]), [], tl, b, [2])
+    acc, em, path, took, _ = leaves.verify(torch.tensor([[5, 6]]), torch.tensor([[[7], [8]]]), [], tl, b, [2])
     assert acc.tolist() == [1] and em[0, :2].tolist() == [7, 9] and took == [True]
     assert path[0, :2].tolist() == [0, leaves.leaf_node(K, W, 1, 0)]
 
@@ -153,5 +153,75 @@ def test_bad_width(llama, kw, match):
 
 def test_width_needs_the_head(llama):
     t, _, _ = llama
-    with pytest.raises(ValueError, match="fixed K"):
+    with pytest.raises(ValueError, match="give a head"):
         ReferenceEngine(t, None, 0, width=2)
+
+
+# -- with auto -----------------------------------------------------------------------------------
+
+def test_auto_hybrid_with_leaves_equals_plain_decoding(llama):
+    """auto + hybrid with leaves: head rows with leaves, prompt-lookup rows (no leaves beside
+    their tokens) and K=0 cycles in one batch: still the target's greedy output."""
+    from test_auto import FLAT, REPEATS
+
+    from fastmtp_sglang.decode.auto import AutoK
+    from fastmtp_sglang.decode.ngram import NgramDrafter
+
+    t, head, _ = llama
+    prompts = PROMPTS + REPEATS
+    ref = [greedy_reference(t, p, N_NEW) for p in prompts]
+    auto = AutoK(FLAT, 3, probe_every=3, width=3)
+    eng = ReferenceEngine(t, head, 3, drafter=NgramDrafter(max_ngram=3), auto=auto, hybrid=True, width=3)
+    res = eng.generate([Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in prompts])
+    assert [r.output_ids for r in res] == ref
+    assert any(c.leaf for r in res for c in r.metrics.cycles)
+    assert auto.leaf != [AutoK.LEAF_PRIOR] * 3  # the leaves' rate was observed
+
+
+def test_auto_sampled_with_leaves_follows_the_target():
+    from test_auto import FLAT, peaky_world, second_token_marginal
+
+    from fastmtp_sglang.decode.auto import AutoK
+
+    v = 12
+    t, head = peaky_world(v)
+    prompt = [4, 9, 2]
+    want = second_token_marginal(t, prompt, v)
+    n = 3000
+    eng = ReferenceEngine(t, head, 2, max_context=16, width=3,
+                          auto=AutoK(FLAT, 2, calibrate=False, row_margin=0.0, width=3))
+    res = eng.generate([Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=11 + i))
+                        for i in range(n)])
+    emp = torch.bincount(torch.tensor([r.output_ids[1] for r in res]), minlength=v).float() / n
+    assert 0.5 * (emp - want).abs().sum().item() < 0.05
+    assert any(c.leaf for r in res for c in r.metrics.cycles)
+
+
+def test_auto_prices_leaves():
+    """A head cycle at K with width W verifies 1 + K W tokens; a leaf taken where the chain's
+    draft is rejected adds to the expected tokens; a width that differs from the engine's is
+    refused."""
+    from test_auto import FLAT
+
+    from fastmtp_sglang.decode.auto import AutoK, expected_curve, expected_curve_leaves
+
+    one, three = AutoK(FLAT, 3, calibrate=False), AutoK(FLAT, 3, calibrate=False, width=3)
+    assert three.cycle_ms(2, 1) - one.cycle_ms(2, 1) == pytest.approx(FLAT.verify_ms(7) - FLAT.verify_ms(3))
+    assert three.cycle_ms(0, 1) == one.cycle_ms(0, 1)
+    est = [0.5, 0.4, 0.3]
+    assert expected_curve_leaves(est, [0.0] * 3, 3) == pytest.approx(expected_curve(est, 3))
+    # E(1) = 1 + a1 + (1 - a1) l1; E(2) adds a1 (a2 + (1 - a2) l2)
+    e = expected_curve_leaves(est, [0.5, 0.5, 0.5], 3)
+    assert e[1] == pytest.approx(1 + 0.5 + 0.25) and e[2] == pytest.approx(1.75 + 0.5 * (0.4 + 0.3))
+    three.observe_leaf(0, True)
+    assert three.leaf[0] > AutoK.LEAF_PRIOR
+
+
+def test_engine_refuses_auto_at_another_width(llama):
+    from test_auto import FLAT
+
+    from fastmtp_sglang.decode.auto import AutoK
+
+    t, head, _ = llama
+    with pytest.raises(ValueError, match="same"):
+        ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False), width=3)

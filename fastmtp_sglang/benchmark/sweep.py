@@ -190,6 +190,8 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
         res["auto"] = {"overall": {ka: _stats(_group(samples, ka, None, "auto"), ka, cfg.repeats)},
                        "categories": {c: {ka: _stats(_group(samples, ka, c, "auto"), ka, cfg.repeats)}
                                       for c in cats}}
+        if cfg.auto.width > 1:
+            res["auto"]["width"] = cfg.auto.width
     blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
     for extra in ("ngram", "leaves", "auto"):
         if extra in res:
@@ -537,6 +539,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     extra_rows = ([(f"prompt lookup {k}", r) for k, r in results.get("ngram", {}).get("overall", {}).items()]
                   + [(f"{k} + leaves (width {lw})", r) for k, r in results.get("leaves", {}).get("overall", {}).items()]
                   + [(f"auto (K<={k}, mean {r.get('mean_k', 0):.2f}"
+                      + (f", width {results['auto']['width']}" if results["auto"].get("width") else "")
                       + (f", lookup {100 * r['lookup_share']:.0f}% of cycles" if r.get("lookup_share") else "")
                       + (f", spliced {100 * r['splice_share']:.0f}%" if r.get("splice_share") else "")
                       + ")", r)

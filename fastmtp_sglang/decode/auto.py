@@ -160,6 +160,20 @@ def expected_curve(est: list[float], kmax: int) -> list[float]:
     return out
 
 
+def expected_curve_leaves(est: list[float], leaf: list[float], kmax: int) -> list[float]:
+    """:func:`expected_curve` of a head drafting with leaves (decode/leaves.py): at a position
+    whose chain draft is rejected (1 - a_j), a leaf is accepted with probability ``leaf[j]``
+    and ends the chain there, so E(K) = 1 + sum_{k<=K} prod_{j<k} a_j (a_k + (1 - a_k) l_k)."""
+    out, total, run = [1.0], 1.0, 1.0
+    for j in range(kmax):
+        if j < len(est):
+            a = est[j]
+            total += run * (a + (1.0 - a) * (leaf[j] if j < len(leaf) else 0.0))
+            run *= a
+        out.append(total)
+    return out
+
+
 def expected_tokens(est: list[float], k: int) -> float:
     """E(K) = 1 + sum_{k'<=K} prod_{j<=k'} a_j for per-position conditional acceptances ``est``."""
     total, run = 1.0, 1.0
@@ -194,14 +208,21 @@ class AutoK:
         drafting cycle costs a continuous batch beyond its own time grows with the rows
     relax : how far a row's estimate of a source moves back towards the shared one in each cycle
         that does not observe it (:meth:`relax_estimate`)
+    width : candidates per position the head drafts (decode/leaves.py): a head cycle at K
+        verifies 1 + K * width tokens, and a position whose chain draft is rejected may still
+        take a leaf (``leaf``: per position, the share of such positions where one was taken,
+        learnt from all rows' cycles, :meth:`observe_leaf`)
     """
+
+    LEAF_PRIOR = 0.25   # a leaf taken where the chain's draft was rejected (measured 0.28-0.37)
+    LEAF_ALPHA = 0.05
 
     CALIB_WINDOW = 15  # cycles per (K, batch class) whose median ratio calibrates the curve
 
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
                  probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
                  margin: float = 0.03, probe_budget: float = 0.02, row_margin: float = 0.01,
-                 relax: float = 0.05):
+                 relax: float = 0.05, width: int = 1):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
@@ -210,6 +231,8 @@ class AutoK:
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
                              "margin in [0, 1), probe_budget > 0, row_margin in [0, 1), relax in [0, 1]")
         self.relax = relax
+        self.width = width
+        self.leaf = [self.LEAF_PRIOR] * kmax if width > 1 else []
         self.margin, self.probe_budget, self.row_margin = margin, probe_budget, row_margin
         self.costs, self.kmax = costs, kmax
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
@@ -249,6 +272,19 @@ class AutoK:
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
             self._observe(shared, k, accepted, self.shared_alpha, probs, first, shift)
+
+    def observe_leaf(self, j: int, taken: bool) -> None:
+        """A head row's chain draft at position j (0-based) was rejected where leaves stood
+        beside it: whether one of them was accepted."""
+        if j < len(self.leaf):
+            self.leaf[j] += self.LEAF_ALPHA * (float(taken) - self.leaf[j])
+
+    def head_curve(self, est: list[float]) -> list[float]:
+        """E(0..kmax) of a row drafting with the head at estimates ``est`` (with leaves where
+        the engine drafts them)."""
+        if self.width > 1:
+            return expected_curve_leaves(est, self.leaf, self.kmax)
+        return expected_curve(est, self.kmax)
 
     def relax_estimate(self, est: list[float], source: str = "head") -> None:
         """A cycle of a row that did not observe ``source`` (K=0, or another source drafted):
@@ -330,6 +366,8 @@ class AutoK:
             # the head's extend over these positions waits for its next drafting cycle
             return self.costs.verify_at(k + 1, batch)
         ms = self.costs.cycle_ms(k, batch)
+        if k and self.width > 1:  # leaves: the target reads 1 + k * width tokens, not k + 1
+            ms += self.costs.verify_at(1 + k * self.width, batch) - self.costs.verify_at(k + 1, batch)
         if k and deferred:
             ms += self.catch_up_ms(deferred, batch)
         return ms
@@ -432,7 +470,7 @@ class AutoK:
         """The K with the most expected tokens per ms for rows with these estimates
         (``deferred``, ``once``, ``left``: what a head cycle pays beyond its calls, :meth:`_head_share`)."""
         B = len(ests)
-        curves = [expected_curve(e, self.kmax) for e in ests]
+        curves = [self.head_curve(e) for e in ests]
         tokens = [sum(c[k] for c in curves) for k in range(self.kmax + 1)]
         rate = [tokens[k] / self.cycle_ms(k, B, once=self._head_share(once, deferred, B, left, tokens[k] / B))
                 for k in range(self.kmax + 1)]
@@ -515,7 +553,7 @@ class AutoK:
         B = len(heads)
         best = (B / self.cycle_ms(0, B) * (1.0 + self.margin_at(B)), 0, [False] * B, False)  # K=0
         # each row's E(k) for k = 0..kmax, computed once (the loop below asks for every k)
-        ehs = [expected_curve(h, self.kmax) for h in heads]
+        ehs = [self.head_curve(h) for h in heads]
         els_k = [expected_curve(lk[0][:lk[1]], self.kmax) if lk and lk[1] else None for lk in lookups]
         for k in range(1, self.kmax + 1):
             total, use, head = 0.0, [], False

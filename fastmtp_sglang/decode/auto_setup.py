@@ -44,6 +44,9 @@ class AutoSpec:
         prompt-lookup proposal continued by the head past its end; prompt lookup asked again
         after the head's drafts). Off by default: on the AMX protocol it raised tau 6% at the
         same speed (docs/design.md section 6.7, "Splices").
+    width : int
+        Candidates per position the head drafts: its draft and ``width - 1`` leaves beside it,
+        verified in the same forward (decode/leaves.py); 1 = a chain.
     """
 
     max_steps: int | None = None
@@ -51,6 +54,7 @@ class AutoSpec:
     alpha: float = 0.2
     probe_every: int = 8
     splice: bool = False
+    width: int = 1
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -63,6 +67,8 @@ class AutoSpec:
             raise ValueError(f"--auto-alpha must be in (0, 1], got {self.alpha}")
         if self.probe_every < 1:
             raise ValueError(f"--auto-probe-every must be >= 1, got {self.probe_every}")
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+            raise ValueError(f"--auto-width must be an integer >= 1, got {self.width!r}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser, scope: str = "the auto arm", max_steps_note: str = "") -> None:
@@ -85,13 +91,17 @@ class AutoSpec:
                             "lookup where the estimates say they pay (a proposal continued by the "
                             "head past its end; lookup asked again after the head's drafts); "
                             "default off: measured, more accepted tokens at the same speed")
+        p.add_argument("--auto-width", type=int, default=AutoSpec.width,
+                       help=f"{scope}: candidates per position the head drafts, its draft and "
+                            "width - 1 leaves beside it, verified in the same forward (default "
+                            f"{AutoSpec.width}: a chain)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "AutoSpec":
         """The AutoSpec the ``--auto-*`` flags ask for; FastMTPError naming the flag when one is off."""
         try:
             return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every,
-                       args.auto_splice == "on")
+                       args.auto_splice == "on", getattr(args, "auto_width", AutoSpec.width))
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
 
@@ -161,8 +171,9 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     hybrid = spec.drafter == "hybrid"
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
-                           auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every),
-                           hybrid=hybrid, splice=spec.splice)
+                           auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every,
+                                      width=spec.width),
+                           hybrid=hybrid, splice=spec.splice, width=spec.width)
 
 
 def describe(spec: AutoSpec, kmax: int) -> str:
@@ -171,4 +182,5 @@ def describe(spec: AutoSpec, kmax: int) -> str:
            f"the deepest K that pays on this machine's measured costs for drafts accepted "
            f"{ACCEPT_BOUND:.0%} of the time, at most {AUTO_CEILING}")
     return (f"K in 0..{kmax} per cycle ({why}); drafter {spec.drafter}"
-            + (", splices on" if spec.drafter == "hybrid" and spec.splice else ""))
+            + (", splices on" if spec.drafter == "hybrid" and spec.splice else "")
+            + (f", width {spec.width} (leaves)" if spec.width > 1 else ""))

@@ -80,15 +80,15 @@ class Result:
 DEFER_MAX = 128
 
 
-def _check_width(width, head, drafter, auto, lean) -> int:
-    """``ReferenceEngine``'s ``width``, checked: leaves need the head at a fixed K and the lean
-    forward (their attention is a tree)."""
+def _check_width(width, head, drafter, hybrid, lean) -> int:
+    """``ReferenceEngine``'s ``width``, checked: leaves need the head (at a fixed K or auto's, or
+    hybrid's head cycles) and the lean forward (their attention is a tree)."""
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an integer >= 1 (candidates per drafted position), got {width!r}")
     if width > 1:
-        if head is None or drafter is not None or auto is not None:
-            raise ValueError("width > 1 (leaves) drafts with the head at a fixed K: not with prompt "
-                             "lookup or --steps auto; use --steps K with a head")
+        if head is None or (drafter is not None and not hybrid):
+            raise ValueError("width > 1 (leaves) stands beside the head's drafts: give a head "
+                             "(prompt lookup alone drafts no leaves)")
         if lean is None:
             raise ValueError("width > 1 (leaves) needs the lean forward (llama, qwen2, mistral; "
                              "FASTMTP_LEAN_FORWARD not 'off'): their attention is a tree")
@@ -149,7 +149,10 @@ class ReferenceEngine(AutoDrafting):
         self.lean = lean_forward_for(self.model, lean)
         # and the head's on the bf16 CPU kernels where they run (decode/lean_head.py), or None
         self.lean_head = LeanHead(head) if head is not None and self.lean is not None else None
-        self.width = _check_width(width, head, drafter, auto, self.lean)
+        self.width = _check_width(width, head, drafter, hybrid, self.lean)
+        if auto is not None and getattr(auto, "width", 1) != self.width:
+            raise ValueError(f"auto prices cycles at width {getattr(auto, 'width', 1)}, the engine "
+                             f"drafts at width {self.width}: give both the same")
         self.device = next(self.model.parameters()).device
         cfg_max = int(target.config.get("max_position_embeddings", 4096))
         self.max_context = min(max_context or cfg_max, cfg_max)
@@ -398,7 +401,7 @@ class ReferenceEngine(AutoDrafting):
                 pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
                 g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
                 b.g = g[:, 0]
-            if self.width > 1 and over is None:
+            if self.width > 1:
                 d, q, lv = leaves.candidates(b, b.g, self.width)
                 b.leaves = lv[:, None] if k == 1 else torch.cat([b.leaves, lv[:, None]], 1)
             else:
@@ -408,6 +411,8 @@ class ReferenceEngine(AutoDrafting):
                 self._requery(b, drafts, over, requery, k, K)
             qs.append(q)
         b.fixed = None if over is None else over >= 0
+        if b.leaves is not None and b.fixed is not None:  # no leaves beside another source's tokens
+            b.leaves = b.leaves.masked_fill(b.fixed[..., None], -1)
         return drafts, qs
 
     def _verify(self, b: Batch, drafts: torch.Tensor, qs: list, Kc: int, room: torch.Tensor):
@@ -472,7 +477,10 @@ class ReferenceEngine(AutoDrafting):
         vh, vf = self._target(vin, vpos, b.valid.long(), b.cache, tree=leaves.tree_mask(Kc, W, dev))
         b.accept_probs = None
         tlogits = self.target.lm_head(vh).float()                                     # [n, S, V]
-        acc, emitted, path, b.took_leaf = leaves.verify(drafts, b.leaves, qs, tlogits, b, room.tolist())
+        acc, emitted, path, b.took_leaf, probs = leaves.verify(drafts, b.leaves, qs, tlogits, b, room.tolist(),
+                                                               chain_probs=self.auto is not None)
+        if probs is not None:  # the chain's positions' chances of acceptance (AutoK._observe)
+            b.accept_probs = probs
         # the accepted path in the chain's layout: what capture, the extend and the caller read
         take = path[..., None]
         same = vf is vh
@@ -548,14 +556,19 @@ class ReferenceEngine(AutoDrafting):
                 # the sources that drafted learn from the cycle, each at its own positions; the
                 # row's other estimates move back towards the shared ones (AutoK.relax_estimate)
                 seen = set()
+                a_j = acc_l[j]
+                if b.took_leaf is not None:  # leaves: the estimates are the chain's own
+                    a_j -= int(b.took_leaf[j])
+                    if a_j < k and int(b.leaves[j, a_j, 0]) >= 0:
+                        self.auto.observe_leaf(a_j, b.took_leaf[j])
                 if k:
                     probs = b.accept_probs[j] if b.accept_probs is not None else None
                     est = {"head": r.est, "lookup": r.est_lookup.get(m)}
                     name = {"head": "head", "lookup": f"lookup{m}"}
-                    self.auto.update(est[first], c, min(acc_l[j], c), name[first], probs)
+                    self.auto.update(est[first], c, min(a_j, c), name[first], probs)
                     seen.add(first)
-                    if c < k and acc_l[j] >= c:
-                        self.auto.update(est[second], k, acc_l[j], name[second], probs, first=c, shift=shift)
+                    if c < k and a_j >= c:
+                        self.auto.update(est[second], k, a_j, name[second], probs, first=c, shift=shift)
                         seen.add(second)
                 if "head" not in seen:
                     self.auto.relax_estimate(r.est)

@@ -109,14 +109,17 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def verify(chain: torch.Tensor, leaves: torch.Tensor, qs: list, tlogits: torch.Tensor, b,
-           cap: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
+           cap: list[int], chain_probs: bool = False):
     """Accept along the chain, then among one position's leaves (module docstring).
 
     chain [n, K], leaves [n, K, W - 1] (-1: none), qs the draft's q [n, V] per position (sampling)
     , tlogits [n, 1 + K * W, V] the target's logits at every verified token, cap[i] the drafts
     row i may accept. Returns (accepted [n], emitted [n, K + 1] (the accepted path's tokens,
     then the target's, then -1), the path's nodes [n, K + 1] (node of each accepted position,
-    index 0 the pending token's, then repeating the last), whether a leaf was accepted [n])."""
+    index 0 the pending token's, then repeating the last), whether a leaf was accepted [n],
+    and with ``chain_probs`` (sampling) per row the chance ``sum_x min(p, q)`` that the chain's
+    draft was accepted at each position the walk reached (auto's estimates: AutoK._observe),
+    else None)."""
     n, K = chain.shape
     W = leaves.shape[2] + 1
     dev = chain.device
@@ -129,8 +132,9 @@ def verify(chain: torch.Tensor, leaves: torch.Tensor, qs: list, tlogits: torch.T
         walk = [_walk_greedy(chain[i].tolist(), leaves[i].tolist(), am[i], cap[i], K, W)
                 for i in range(n)]
     else:
+        ps = [_target_probs(tlogits, b, i) for i in range(n)]
         walk = [_walk_sampled(chain[i].tolist(), leaves[i].tolist(), [q[i] for q in qs],
-                              _target_probs(tlogits, b, i), cap[i], K, W, b.gens[i]) for i in range(n)]
+                              ps[i], cap[i], K, W, b.gens[i]) for i in range(n)]
     for i, (toks, nodes, leaf) in enumerate(walk):
         a = len(toks) - 1
         acc[i] = a
@@ -138,7 +142,15 @@ def verify(chain: torch.Tensor, leaves: torch.Tensor, qs: list, tlogits: torch.T
         path[i, : a + 1] = torch.tensor(nodes)
         path[i, a + 1:] = nodes[-1]
         took_leaf[i] = leaf
-    return acc.to(dev), emitted.to(dev), path.to(dev), took_leaf
+    probs = None
+    if chain_probs and not b.greedy:
+        # the chain's node k - 1 precedes its draft k; nodes[:a + 1] are the chain's up to the
+        # first rejection (or the leaf's position), each already computed by the walk
+        probs = []
+        for i, (toks, nodes, leaf) in enumerate(walk):
+            reach = min(len(toks) - int(leaf), cap[i])  # positions whose chain draft was tried
+            probs.append([float(torch.minimum(ps[i](k), qs[k][i].float()).sum()) for k in range(reach)])
+    return acc.to(dev), emitted.to(dev), path.to(dev), took_leaf, probs
 
 
 def _target_probs(tlogits: torch.Tensor, b, i: int):
