@@ -61,6 +61,9 @@ def test_one_parser_for_steps():
     assert AutoSpec.from_cli_args(p.parse_args(["--auto-splice", "on"])).splice and not AutoSpec().splice
     with pytest.raises(FastMTPError, match="auto-max-steps"):
         AutoSpec.from_cli_args(p.parse_args(["--auto-max-steps", "0"]))
+    assert AutoSpec.from_cli_args(p.parse_args(["--auto-width", "3"])).width == 3 and AutoSpec().width == 1
+    with pytest.raises(FastMTPError, match="auto-width"):
+        AutoSpec.from_cli_args(p.parse_args(["--auto-width", "0"]))
 
 
 def test_built_engine_runs_the_range_the_costs_allow():
@@ -76,5 +79,7 @@ def test_built_engine_runs_the_range_the_costs_allow():
     assert "splices on" in describe(AutoSpec(2, splice=True), 2) and "splices" not in describe(AutoSpec(2), 2)
     fixed = build_auto_engine(AutoSpec(2, "head"), t, head, curve)
     assert fixed.steps == 2 and not fixed.hybrid
+    wide = build_auto_engine(AutoSpec(2, width=3), t, head, curve)
+    assert wide.width == wide.auto.width == 3 and "width 3" in describe(AutoSpec(2, width=3), 2)
     with pytest.raises(ValueError, match="--draft"):
         measure_costs(spec, t, None)

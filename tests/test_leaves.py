@@ -122,17 +122,12 @@ def test_a_leaf_ends_the_walk_with_the_target_token_after_it():
 def test_sampled_engine_with_leaves_follows_the_target():
     """As tests/test_engine.py's lossless check, through the engine with width 3: the second
     token (the first a cycle emits) follows the target's marginal."""
+    from test_auto import peaky_world, second_token_marginal
+
     v = 12
-    t = tiny_target("llama", seed=5, vocab=v)
-    head = random_head(t, "deepseek", seed=9)
-    with torch.no_grad():
-        head.final_norm.weight.mul_(4.0)
+    t, head = peaky_world(v)
     prompt = [4, 9, 2]
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        p1 = torch.softmax(t.model(ids).logits[0, -1].float(), -1)
-        both = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
-        want = p1 @ torch.softmax(t.model(both).logits[:, -1].float(), -1)
+    want = second_token_marginal(t, prompt, v)
     n = 3000
     res = ReferenceEngine(t, head, 2, max_context=16, width=3).generate(
         [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=11 + i)) for i in range(n)])

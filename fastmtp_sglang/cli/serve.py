@@ -302,6 +302,10 @@ def _run(args: argparse.Namespace) -> int:
     # what each engine's flags mean, settled here before anything is loaded or launched
     flags = sglang_auto_args(args) if engine == "sglang" else []
     table = vllm_auto_table(args) if engine == "vllm" else None
+    if engine != "reference" and getattr(args, "auto_width", 1) > 1:
+        raise FastMTPError(f"--auto-width (leaves beside the head's drafts) runs on the reference "
+                           f"engine only; {engine} drafts its own way (SGLang: a tree with "
+                           "--speculative-eagle-topk after `--`)")
     if engine == "reference" and args.adaptive_config:
         raise FastMTPError("--adaptive-config is SGLang's or vLLM's K-per-batch-size table: the "
                            "reference engine measures its own costs (drop it)")
