@@ -115,3 +115,12 @@ def test_sglang_is_not_told_a_dtype(monkeypatch, capsys, engines):
     assert main(["serve", "--engine", "sglang", "--target", "T", "--draft", "D"]) == 0
     assert "--dtype" not in engines["sglang"].extra and not hasattr(engines["sglang"], "dtype")
     assert "dtype" not in capsys.readouterr().out
+
+
+def test_leaves_are_the_reference_engines_only(monkeypatch, capsys, engines):
+    """--auto-width above 1 (leaves) on vLLM: refused with the flag named, before any launch."""
+    _cpu(monkeypatch, AVX2_CPU)
+    rc = main(["serve", "--engine", "vllm", "--target", "T", "--draft", "D", "--steps", "auto",
+               "--auto-width", "3"])
+    assert rc != 0 and "vllm" not in engines
+    assert "--auto-width" in capsys.readouterr().err

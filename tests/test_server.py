@@ -1052,3 +1052,22 @@ def test_rows_done_before_a_fault_keep_their_answers(world, local_target):
             assert first.result()["output_ids"] == greedy_oracle(model, ids)
             assert second.result()["output_ids"] == greedy_oracle(model, [5, 6])
         assert calls == [1] and srv.server_info()["requests_failed"] == 0
+
+
+def test_serve_with_leaves_matches_greedy_target(world, tmp_path):
+    """`fastmtp serve --steps 2 --draft-width 3`: a real server drafting with leaves answers
+    with the target's own greedy tokens (fp32)."""
+    from conftest import reference_server_process
+
+    target, draft, tok, model = world
+    ids = tok(PROMPTS[0])["input_ids"]
+    args = ["--target", str(target), "--draft", str(draft), "--steps", "2", "--draft-width", "3",
+            "--max-context", str(MAX_CONTEXT)]
+    with reference_server_process(args, tmp_path / "serve.log") as (url, _):
+        assert client.generate(url, input_ids=ids, sampling_params=GREEDY)["output_ids"] == greedy_oracle(model, ids)
+
+
+def test_cli_refuses_draft_width_without_a_fixed_k(world, run_cli):
+    rc, _, err = run_cli("serve", "--engine", "reference", "--target", world[0], "--draft", world[1],
+                         "--steps", "auto", "--draft-width", "3")
+    assert rc == 1 and "--auto-width" in err

@@ -174,8 +174,14 @@ def build_reference_server(args: argparse.Namespace):
     options = server_options(args)
     if args.draft is None and args.steps > 0:
         raise FastMTPError("--steps > 0 needs --draft DIR (or --steps 0 for plain decoding)")
+    width = getattr(args, "draft_width", 1)
+    if width < 1:
+        raise FastMTPError(f"--draft-width must be >= 1, got {width}")
+    if width > 1 and (args.auto is not None or args.steps < 1):
+        raise FastMTPError("--draft-width goes with --steps K >= 1 and a draft (with --steps auto: "
+                           "--auto-width)")
     return load_reference_server(
-        args.target, args.draft, args.steps, options, auto=args.auto,
+        args.target, args.draft, args.steps, options, auto=args.auto, width=width,
         vocab=args.vocab, dtype=args.dtype, device=args.device,
         max_context=args.max_context, allow_base_mismatch=args.allow_base_mismatch)
 
@@ -291,6 +297,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine == "auto":
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
     args.engine = engine
+    for flag, width in (("--auto-width", getattr(args, "auto_width", 1)), ("--draft-width", args.draft_width)):
+        if engine != "reference" and width > 1:
+            raise FastMTPError(f"{flag} (leaves beside the head's drafts) runs on the reference "
+                               f"engine only; {engine} drafts its own way (SGLang: a tree with "
+                               "--speculative-eagle-topk after `--`)")
     if engine == "sglang":
         check_sglang_can_run()
     if engine != "reference":
@@ -302,10 +313,6 @@ def _run(args: argparse.Namespace) -> int:
     # what each engine's flags mean, settled here before anything is loaded or launched
     flags = sglang_auto_args(args) if engine == "sglang" else []
     table = vllm_auto_table(args) if engine == "vllm" else None
-    if engine != "reference" and getattr(args, "auto_width", 1) > 1:
-        raise FastMTPError(f"--auto-width (leaves beside the head's drafts) runs on the reference "
-                           f"engine only; {engine} drafts its own way (SGLang: a tree with "
-                           "--speculative-eagle-topk after `--`)")
     if engine == "reference" and args.adaptive_config:
         raise FastMTPError("--adaptive-config is SGLang's or vLLM's K-per-batch-size table: the "
                            "reference engine measures its own costs (drop it)")
@@ -351,6 +358,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--speculative-adaptive; vLLM: a measured table, --adaptive-config)")
     AutoSpec.add_cli_args(p, "--steps auto on the reference engine", "; on SGLang the K it starts at, "
                    "default 3, one of its tiers' candidates")
+    p.add_argument("--draft-width", type=int, default=1,
+                   help="reference engine, --steps K: candidates per drafted position, the head's "
+                        "draft and width - 1 leaves beside it (its next choices), verified in the "
+                        "same forward (default 1: a chain; with --steps auto: --auto-width)")
     p.add_argument("--adaptive-config", default=None,
                    help="--steps auto on SGLang: a --speculative-adaptive-config JSON file; on "
                         "vLLM (required): a K-per-batch-size table; fastmtp bench --concurrency "

@@ -21,7 +21,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
                           auto: "AutoSpec | None" = None,
                           dtype: str = "float32", device: str = "cpu",
                           max_context: int | None = None, allow_base_mismatch: bool = False,
-                          **option_values: Any) -> "ReferenceServer":
+                          width: int = 1, **option_values: Any) -> "ReferenceServer":
     """Check the target directory and bind the port (so either fails before any weights load),
     then load target + head, check they fit, and build (not start) the ReferenceServer.
 
@@ -40,6 +40,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     dtype, device : the weights' dtype name and the torch device
     max_context : tokens a request may use (None: the target's max_position_embeddings)
     allow_base_mismatch : serve a draft whose recorded base model is not this target's
+    width : candidates per drafted position at a fixed K (decode/leaves.py; 1 = a chain)
 
     Raises
     ------
@@ -57,7 +58,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
     sock = bind(options)  # before the weights load: a taken port fails in a second, not a minute
     try:
         engine = _load_engine(target, draft, steps, options, vocab, auto, dtype,
-                              device, max_context, allow_base_mismatch)
+                              device, max_context, allow_base_mismatch, width)
     except BaseException:
         sock.close()
         raise
@@ -67,7 +68,7 @@ def load_reference_server(target: str | os.PathLike, draft: str | os.PathLike | 
 
 def _load_engine(target, draft, steps: int, options: "ServerOptions", vocab, auto: "AutoSpec | None",
                  dtype: str, device: str, max_context,
-                 allow_base_mismatch: bool):
+                 allow_base_mismatch: bool, width: int = 1):
     """The engine of ``load_reference_server`` (its parameters)."""
     from fastmtp_sglang.core.draft_dir import load_head, read_config
     from fastmtp_sglang.decode.engine import ReferenceEngine
@@ -95,7 +96,7 @@ def _load_engine(target, draft, steps: int, options: "ServerOptions", vocab, aut
     if auto is not None:
         engine = _auto_engine(auto, target_model, head, max_context, draft_vocab, options.max_batch)
     else:
-        engine = ReferenceEngine(target_model, head, steps, max_context, draft_vocab=draft_vocab)
+        engine = ReferenceEngine(target_model, head, steps, max_context, draft_vocab=draft_vocab, width=width)
     return engine
 
 
