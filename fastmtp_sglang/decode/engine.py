@@ -118,8 +118,8 @@ class ReferenceEngine(AutoDrafting):
     lean : "auto" (default: where the model is covered) or "off": the target's forward through
         decode/lean_forward.py (same numbers, fewer calls); None reads FASTMTP_LEAN_FORWARD
     width : candidates per drafted position (default 1, a chain): the head's draft and ``width
-        - 1`` leaves beside it, verified in the same forward (decode/leaves.py); the head at a
-        fixed K only, through the lean forward
+        - 1`` leaves beside it, verified in the same forward (decode/leaves.py); wherever the
+        head drafts (a fixed K, auto's and hybrid's head cycles), through the lean forward
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
