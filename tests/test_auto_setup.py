@@ -61,7 +61,8 @@ def test_one_parser_for_steps():
     assert AutoSpec.from_cli_args(p.parse_args(["--auto-splice", "on"])).splice and not AutoSpec().splice
     with pytest.raises(FastMTPError, match="auto-max-steps"):
         AutoSpec.from_cli_args(p.parse_args(["--auto-max-steps", "0"]))
-    assert AutoSpec.from_cli_args(p.parse_args(["--auto-width", "3"])).width == 3 and AutoSpec().width == 1
+    assert AutoSpec.from_cli_args(p.parse_args(["--auto-width", "3"])).width == 3 and AutoSpec().width is None
+    assert AutoSpec().leaf_width == 3 and AutoSpec(width=1).leaf_width == 1
     with pytest.raises(FastMTPError, match="auto-width"):
         AutoSpec.from_cli_args(p.parse_args(["--auto-width", "0"]))
 
@@ -80,6 +81,11 @@ def test_built_engine_runs_the_range_the_costs_allow():
     fixed = build_auto_engine(AutoSpec(2, "head"), t, head, curve)
     assert fixed.steps == 2 and not fixed.hybrid
     wide = build_auto_engine(AutoSpec(2, width=3), t, head, curve)
-    assert wide.width == wide.auto.width == 3 and "width 3" in describe(AutoSpec(2, width=3), 2)
+    assert wide.width == wide.auto.width == 3 and wide.greedy_leaves and "width 3" in describe(AutoSpec(2, width=3), 2)
+    # the default: leaves (width 3) where a batch samples, a chain where it is greedy
+    dflt = build_auto_engine(AutoSpec(2), t, head, curve)
+    assert dflt.width == 3 and not dflt.greedy_leaves and "when sampling" in describe(AutoSpec(2), 2)
+    chain = build_auto_engine(AutoSpec(2, width=1), t, head, curve)
+    assert chain.width == 1 and "leaves" not in describe(AutoSpec(2, width=1), 2)
     with pytest.raises(ValueError, match="--draft"):
         measure_costs(spec, t, None)

@@ -190,7 +190,9 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
         res["auto"] = {"overall": {ka: _stats(_group(samples, ka, None, "auto"), ka, cfg.repeats)},
                        "categories": {c: {ka: _stats(_group(samples, ka, c, "auto"), ka, cfg.repeats)}
                                       for c in cats}}
-        if cfg.auto.width > 1:
+        if cfg.auto.width is None and cfg.temperature > 0:  # leaves where the batch samples
+            res["auto"]["width"] = cfg.auto.leaf_width
+        elif cfg.auto.width is not None and cfg.auto.width > 1:
             res["auto"]["width"] = cfg.auto.width
     blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
     for extra in ("ngram", "leaves", "auto"):

@@ -297,7 +297,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine == "auto":
         print(f"fastmtp serve: engine {engine}: {why}", flush=True)
     args.engine = engine
-    for flag, width in (("--auto-width", getattr(args, "auto_width", 1)), ("--draft-width", args.draft_width)):
+    for flag, width in (("--auto-width", getattr(args, "auto_width", None) or 1), ("--draft-width", args.draft_width)):
         if engine != "reference" and width > 1:
             raise FastMTPError(f"{flag} (leaves beside the head's drafts) runs on the reference "
                                f"engine only; {engine} drafts its own way (SGLang: a tree with "

@@ -231,6 +231,8 @@ class AutoK:
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
                              "margin in [0, 1), probe_budget > 0, row_margin in [0, 1), relax in [0, 1]")
         self.relax = relax
+        # the width this cycle drafts at (the engine sets it per cycle when leaves are for
+        # sampled batches only); the leaves' rate is kept whenever the engine may draft them
         self.width = width
         self.leaf = [self.LEAF_PRIOR] * kmax if width > 1 else []
         self.margin, self.probe_budget, self.row_margin = margin, probe_budget, row_margin

@@ -24,6 +24,7 @@ from fastmtp_sglang.decode.auto import AutoK, StepCosts, expected_tokens
 AUTO_CEILING = 8    # the deepest K considered by default (K<=8 beat K<=3 by 1.14x in speedup: docs/design.md section 6.7)
 ACCEPT_BOUND = 0.9  # per-position acceptance of the best case that sizes the range
 AUTO_DRAFTERS = ("hybrid", "head")
+DEFAULT_SAMPLED_WIDTH = 3  # leaves in auto's sampled cycles by default (AutoSpec.width None)
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,12 @@ class AutoSpec:
         prompt-lookup proposal continued by the head past its end; prompt lookup asked again
         after the head's drafts). Off by default: on the AMX protocol it raised tau 6% at the
         same speed (docs/design.md section 6.7, "Splices").
-    width : int
+    width : int or None
         Candidates per position the head drafts: its draft and ``width - 1`` leaves beside it,
-        verified in the same forward (decode/leaves.py); 1 = a chain.
+        verified in the same forward (decode/leaves.py); 1 = a chain. None (default): 3 in
+        cycles whose batch samples, a chain in greedy ones. Measured on the AMX protocol: sampled,
+        width 3 made `auto` 5-6% faster; greedy it raised tau 12% at the same speed and moved
+        categories both ways (bench/results/leaves/README.md).
     """
 
     max_steps: int | None = None
@@ -54,7 +58,7 @@ class AutoSpec:
     alpha: float = 0.2
     probe_every: int = 8
     splice: bool = False
-    width: int = 1
+    width: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -67,7 +71,8 @@ class AutoSpec:
             raise ValueError(f"--auto-alpha must be in (0, 1], got {self.alpha}")
         if self.probe_every < 1:
             raise ValueError(f"--auto-probe-every must be >= 1, got {self.probe_every}")
-        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+        if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int)
+                                       or self.width < 1):
             raise ValueError(f"--auto-width must be an integer >= 1, got {self.width!r}")
 
     @staticmethod
@@ -91,10 +96,11 @@ class AutoSpec:
                             "lookup where the estimates say they pay (a proposal continued by the "
                             "head past its end; lookup asked again after the head's drafts); "
                             "default off: measured, more accepted tokens at the same speed")
-        p.add_argument("--auto-width", type=int, default=AutoSpec.width,
+        p.add_argument("--auto-width", type=int, default=None,
                        help=f"{scope}: candidates per position the head drafts, its draft and "
-                            "width - 1 leaves beside it, verified in the same forward (default "
-                            f"{AutoSpec.width}: a chain)")
+                            "width - 1 leaves beside it, verified in the same forward, in every "
+                            "cycle (1: a chain); default: 3 where the batch samples, a chain "
+                            "where it is greedy")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "AutoSpec":
@@ -104,6 +110,11 @@ class AutoSpec:
                        args.auto_splice == "on", getattr(args, "auto_width", AutoSpec.width))
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
+
+    @property
+    def leaf_width(self) -> int:
+        """The width of cycles that draft with leaves (``width``, or 3 by default)."""
+        return self.width if self.width is not None else DEFAULT_SAMPLED_WIDTH
 
     @property
     def ceiling(self) -> int:
@@ -166,14 +177,19 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.decode.ngram import NgramDrafter
 
+    from fastmtp_sglang.decode.lean_forward import covers
+
     costs = StepCosts.from_curve(curve, batched_curves)
     kmax = spec.max_steps or deepest_paying_k(costs, spec.ceiling, spec.drafter)
     hybrid = spec.drafter == "hybrid"
+    # leaves need the lean forward (a tree mask): by default, where it does not run, a chain
+    width = spec.leaf_width if spec.width is not None or covers(target.model) else 1
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
                            auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every,
-                                      width=spec.width),
-                           hybrid=hybrid, splice=spec.splice, width=spec.width)
+                                      width=width),
+                           hybrid=hybrid, splice=spec.splice, width=width,
+                           greedy_leaves=spec.width is not None)
 
 
 def describe(spec: AutoSpec, kmax: int) -> str:
@@ -183,4 +199,5 @@ def describe(spec: AutoSpec, kmax: int) -> str:
            f"{ACCEPT_BOUND:.0%} of the time, at most {AUTO_CEILING}")
     return (f"K in 0..{kmax} per cycle ({why}); drafter {spec.drafter}"
             + (", splices on" if spec.drafter == "hybrid" and spec.splice else "")
-            + (f", width {spec.width} (leaves)" if spec.width > 1 else ""))
+            + (f", width {spec.width} (leaves)" if spec.width is not None and spec.width > 1 else
+               f", width {spec.leaf_width} (leaves) when sampling" if spec.width is None else ""))

@@ -57,6 +57,12 @@ def lean_forward_for(model, mode: str | None = None) -> "LeanForward | None":
     return LeanForward(model)
 
 
+def covers(model, mode: str | None = None) -> bool:
+    """Whether :func:`lean_forward_for` gives ``model`` a lean forward (without building one)."""
+    mode = mode if mode is not None else os.environ.get(ENV, "auto")
+    return mode == "on" or (mode == "auto" and unsupported(model) is None)
+
+
 def unsupported(model) -> str | None:
     """Why :class:`LeanForward` cannot run ``model`` (a transformers causal LM), or None."""
     cfg = getattr(model, "config", None)
