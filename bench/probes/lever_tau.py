@@ -5,7 +5,11 @@ batched run, not a bench's two arms per prompt. Acceptance only: no speed is rea
 beside other work.
 
     python bench/probes/lever_tau.py --heads init=DIR,kl=DIR2 [--temperatures 0,0.7,1.0] [--steps 3] \\
-        [--prompts bench/data/spec_bench.jsonl] [--per-category 2] [--max-new-tokens 128] --out R.json
+        [--widths 1,2,3] [--prompts bench/data/spec_bench.jsonl] [--per-category 2] \\
+        [--max-new-tokens 128] --out R.json
+
+``--widths``: also draft with leaves (decode/leaves.py), each width a run of its own, keyed
+``name+wW`` (width 1 keeps the head's own name).
 
 tau = tokens emitted in decode cycles / cycles, over all requests (docs/design.md section 2), with
 the per-position acceptance A_k; each head drafts over its own tables, bf16 where native.
@@ -29,6 +33,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="bench/data/spec_bench.jsonl")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--widths", default="1", help="candidates per drafted position, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -39,8 +44,7 @@ def main() -> int:
     from fastmtp_sglang.core.prompts import load_prompt_ids
     from fastmtp_sglang.core.target import load_target
     from fastmtp_sglang.decode.costs import cpu_description
-    from fastmtp_sglang.decode.engine import ReferenceEngine, Request
-    from fastmtp_sglang.decode.sampling import SamplingParams
+    from fastmtp_sglang.decode.engine import ReferenceEngine
     from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
     dtype = "bfloat16" if fast_bf16() else "float32"
@@ -53,24 +57,34 @@ def main() -> int:
     for name, d in heads.items():
         head = load_head(d, t.embed, t.lm_head, dtype=getattr(torch, dtype))
         vocab = resolve_vocab(None, t.tokenizer, t.lm_head, draft_dir=d)
-        eng = ReferenceEngine(t, head, args.steps, draft_vocab=vocab)
-        for temp in temps:
-            reqs = [Request(ids, SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens,
-                                                seed=args.seed + i)) for i, (_, _, _, ids) in enumerate(prompts)]
-            t0 = time.perf_counter()
-            out = eng.generate(reqs)
-            cycles = [c for r in out for c in r.metrics.cycles]
-            n = len(cycles)
-            tau = sum(c.accepted + 1 for c in cycles) / n
-            a_k = [sum(c.accepted >= k for c in cycles) / n for k in range(1, args.steps + 1)]
-            res["tau"].setdefault(name, {})[str(temp)] = {"tau": round(tau, 4), "cycles": n,
-                                                         "A_k": [round(a, 4) for a in a_k]}
-            print(f"{name} T={temp}: tau {tau:.3f} over {n} cycles, A_k "
-                  f"{'/'.join(f'{100 * a:.0f}' for a in a_k)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        del eng, head
+        for w in (int(x) for x in args.widths.split(",")):
+            _tau_at(res, name if w == 1 else f"{name}+w{w}",
+                    ReferenceEngine(t, head, args.steps, draft_vocab=vocab, width=w), temps, prompts, args)
+        del head
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
+
+
+def _tau_at(res: dict, name: str, eng, temps: list[float], prompts, args) -> None:
+    """tau of one engine at each temperature, into ``res["tau"][name]``."""
+    from fastmtp_sglang.decode.engine import Request
+    from fastmtp_sglang.decode.sampling import SamplingParams
+
+    for temp in temps:
+        reqs = [Request(ids, SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens,
+                                            seed=args.seed + i)) for i, (_, _, _, ids) in enumerate(prompts)]
+        t0 = time.perf_counter()
+        out = eng.generate(reqs)
+        cycles = [c for r in out for c in r.metrics.cycles]
+        n = len(cycles)
+        tau = sum(c.accepted + 1 for c in cycles) / n
+        a_k = [sum(c.accepted >= k for c in cycles) / n for k in range(1, args.steps + 1)]
+        res["tau"].setdefault(name, {})[str(temp)] = {"tau": round(tau, 4), "cycles": n,
+                                                     "A_k": [round(a, 4) for a in a_k],
+                                                     "leaf_share": round(sum(c.leaf for c in cycles) / n, 4)}
+        print(f"{name} T={temp}: tau {tau:.3f} over {n} cycles, A_k "
+              f"{'/'.join(f'{100 * a:.0f}' for a in a_k)} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

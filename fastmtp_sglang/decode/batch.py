@@ -289,8 +289,13 @@ def sample_draft(vocab, g: torch.Tensor, tidx: torch.Tensor, extra: torch.Tensor
     probs = logits_to_probs(lg, temp, top_p, top_k)                                  # [n, S]
     slot = torch.cat([sample(probs[i:i + 1], gen) for i, gen in enumerate(gens)])
     toks = ids.gather(1, slot[:, None])[:, 0]
-    V = vocab.vocab_size
-    return toks, probs.new_zeros(len(gens), V).scatter_add_(1, ids.clamp(0, V - 1), probs)
+    return toks, spread_slots(probs, ids, vocab.vocab_size)
+
+
+def spread_slots(probs: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+    """Table slots' probabilities [n, S] at their vocabulary ids [n, S] -> q [n, V], zero
+    elsewhere (a masked slot, id -1, has probability 0 and adds nothing)."""
+    return probs.new_zeros(probs.shape[0], V).scatter_add_(1, ids.clamp(0, V - 1), probs)
 
 
 def _cat_padded(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:

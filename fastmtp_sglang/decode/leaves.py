@@ -32,16 +32,20 @@ position's leaves, and an accepted leaf ends the walk there, with the target's o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from fastmtp_sglang.decode.batch import spread_slots
 from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, sample
 
 __all__ = ["candidates", "positions", "tree_mask", "verify"]
 
 
+@functools.lru_cache(maxsize=64)
 def tree_mask(K: int, W: int, device=None) -> torch.Tensor:
     """[S, S] bool, S = 1 + K * W: which of a cycle's verified tokens each one sees (layout in
-    the module docstring)."""
+    the module docstring). Built once per (K, W, device) and shared: read it, never write it."""
     S = 1 + K * W
     m = torch.zeros(S, S, dtype=torch.bool, device=device)
     m[: K + 1, : K + 1] = torch.ones(K + 1, K + 1, dtype=torch.bool, device=device).tril()
@@ -99,9 +103,7 @@ def candidates(b, g: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor |
                     break
             slots[i, w] = sample(left, generator=gen)[0]
     toks = ids.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1)
-    V = e.target.lm_head.weight.shape[0]
-    q = probs.new_zeros(n, V).scatter_add_(1, ids.clamp(0, V - 1), probs)
-    return toks[:, 0], q, toks[:, 1:]
+    return toks[:, 0], spread_slots(probs, ids, e.target.lm_head.weight.shape[0]), toks[:, 1:]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
