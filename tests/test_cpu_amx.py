@@ -97,24 +97,30 @@ def test_add_rms_equals_llamas_residual_add_and_rmsnorm():
             diff = (out.float() - ref.float()).abs()
             assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-6).all())
             assert (out == ref).float().mean() > 0.99
+            xr, out_r = x.clone(), torch.empty_like(x)   # the unchecked entry: the same call
+            ck.add_rms_rows(xr, delta, w, 1e-5, out_r)
+            assert torch.equal(xr, xx) and torch.equal(out_r, out)
 
 
 @needs_kernels
-def test_rope_and_silu_mul_equal_pytorchs_ops():
+@pytest.mark.parametrize("D", [64, 40, 8])  # halves of 32, 20 (a masked tail) and 4 values
+def test_rope_and_silu_mul_equal_pytorchs_ops(D):
     g = torch.Generator().manual_seed(4)
-    N, D, nh, nkv = 5, 64, 9, 3
+    N, nh, nkv = 5, 9, 3
     qkv = torch.randn(N, (nh + 2 * nkv) * D, generator=g).to(bf)
     cos, sin = torch.randn(N, D, generator=g).to(bf), torch.randn(N, D, generator=g).to(bf)
     qk = qkv[:, : (nh + nkv) * D].view(N, nh + nkv, D)
     rot = torch.cat((-qk[..., D // 2:], qk[..., : D // 2]), -1)
     ref = qk * cos[:, None] + rot * sin[:, None]
-    got = qkv.clone()
-    ck.rope_(got, cos, sin, nh + nkv, D)
-    assert torch.equal(got[:, : (nh + nkv) * D].view(N, nh + nkv, D), ref)
-    assert torch.equal(got[:, (nh + nkv) * D:], qkv[:, (nh + nkv) * D:])   # v untouched
+    for rope in (ck.rope_, ck.rope_rows):
+        got = qkv.clone()
+        rope(got, cos, sin, nh + nkv, D)
+        assert torch.equal(got[:, : (nh + nkv) * D].view(N, nh + nkv, D), ref)
+        assert torch.equal(got[:, (nh + nkv) * D:], qkv[:, (nh + nkv) * D:])   # v untouched
     gu = (torch.randn(N, 2 * 80, generator=g) * 4).to(bf)
     ref = F.silu(gu[:, :80]) * gu[:, 80:]
     out = ck.silu_mul(gu)
+    assert torch.equal(ck.silu_mul_rows(gu), out)
     diff = (out.float() - ref.float()).abs()
     assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-6).all()) and (out == ref).float().mean() > 0.99
     with pytest.raises(ValueError, match="contiguous bf16"):

@@ -171,7 +171,8 @@ def linear_argmax(x: torch.Tensor, p: Packed) -> torch.Tensor:
 
 # -- the elementwise steps of a bf16 decoder layer (one call each; transformers' roundings) ----
 
-def _rows(t: torch.Tensor, name: str) -> None:
+def check_rows(t: torch.Tensor, name: str) -> None:
+    """ValueError unless ``t`` is a contiguous bf16 CPU tensor (what the elementwise kernels take)."""
     if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous bf16 CPU tensor, got {t.dtype} {t.device}")
 
@@ -181,7 +182,7 @@ def add_rms_(x: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor, eps:
     """``x += d`` in place (when ``d``), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))``
     (Llama's residual add and RMSNorm). x, d, out [N, H]; returns ``out``."""
     for t, n in ((x, "x"), (out, "out"), (weight, "weight")) + (((d, "d"),) if d is not None else ()):
-        _rows(t, n)
+        check_rows(t, n)
     N, H = x.shape
     library().fastmtp_add_rms_bf16(x.data_ptr(), d.data_ptr() if d is not None else None,
                                    weight.data_ptr(), out.data_ptr(), N, H, float(eps))
@@ -192,11 +193,34 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, h
     """Rotary embedding of the first ``heads`` heads of every row of ``qkv`` [N, W], in place;
     ``cos``, ``sin`` [N, head_dim]."""
     for t, n in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
-        _rows(t, n)
+        check_rows(t, n)
     if head_dim > 512 or heads * head_dim > qkv.shape[1]:
         raise ValueError(f"{heads} heads of {head_dim} do not fit rows of {qkv.shape[1]}")
     library().fastmtp_rope_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                                 heads, head_dim, qkv.shape[1])
+
+
+def add_rms_rows(x: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor) -> None:
+    """:func:`add_rms_` without the checks (the engine's hot path: 61 calls a forward of the
+    demo target, where the checks cost more than the kernel; callers guarantee contiguous bf16
+    CPU tensors of matching shapes)."""
+    _once.state["lib"].fastmtp_add_rms_bf16(x.data_ptr(), d.data_ptr() if d is not None else None,
+                                            weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+
+
+def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """:func:`rope_` without the checks (the engine's hot path; callers guarantee them)."""
+    _once.state["lib"].fastmtp_rope_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                                         heads, head_dim, qkv.shape[1])
+
+
+def silu_mul_rows(gu: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` without the checks (the engine's hot path; callers guarantee them)."""
+    N, I2 = gu.shape
+    out = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
+    _once.state["lib"].fastmtp_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), N, I2 // 2)
+    return out
 
 
 class HeadStep:
@@ -237,7 +261,7 @@ class HeadStep:
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """``bf16(silu(g)) * u`` for ``gu`` = [g | u] [N, 2I] -> [N, I]."""
-    _rows(gu, "gu")
+    check_rows(gu, "gu")
     N, I2 = gu.shape
     out = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
     library().fastmtp_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), N, I2 // 2)

@@ -278,22 +278,26 @@ class LeanForward:
         hs = ({0: x.view(B, S, -1).clone()} if 0 in keep else {}) if keep else None
         h = torch.empty_like(x)
         ln1 = self.layers[0][0]
+        # the first calls checked (the norms' and rotary tables' layout, the same in every
+        # layer), the rest through the kernels' unchecked entries: 120 calls a forward
         amx.add_rms_(x, None, ln1.weight, ln1.variance_epsilon, h)
-        lin = amx.linear_rows
+        for t, name in ((cos, "cos"), (sin, "sin"), (self.inner.norm.weight, "norm")):
+            amx.check_rows(t, name)
+        lin, add_rms, rope = amx.linear_rows, amx.add_rms_rows, amx.rope_rows
         for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
             (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
             p = lin(h, wqkv, bqkv)
-            amx.rope_(p, cos, sin, nh + nkv, D)
+            rope(p, cos, sin, nh + nkv, D)
             q = p[:, : nh * D].view(B, S, nh, D).transpose(1, 2)
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
             a = _attend(q, k, v, amask, scale, S)
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
-            amx.add_rms_(x, o, ln2.weight, ln2.variance_epsilon, h)
-            d = lin(amx.silu_mul(lin(h, wgu, bgu)), wd, bd)
+            add_rms(x, o, ln2.weight, ln2.variance_epsilon, h)
+            d = lin(amx.silu_mul_rows(lin(h, wgu, bgu)), wd, bd)
             nxt = self.layers[i + 1][0] if i + 1 < L else self.inner.norm
-            amx.add_rms_(x, d, nxt.weight, nxt.variance_epsilon, h)
+            add_rms(x, d, nxt.weight, nxt.variance_epsilon, h)
             if hs is not None and i + 1 in keep and i + 1 < L:
                 hs[i + 1] = x.view(B, S, -1).clone()
         out = h.view(B, S, -1)
