@@ -335,9 +335,33 @@ def test_measured_cycles_correct_the_curve():
     for _ in range(40):
         auto.observe_cycle(3, 1, 2 * FLAT.cycle_ms(3))
         auto.observe_cycle(0, 1, FLAT.cycle_ms(0))
-    assert auto.calib[(3, 1)] == pytest.approx(2.0, rel=0.05) and auto.calib[(0, 1)] == pytest.approx(1.0)
     assert auto.cycle_ms(3, 1) == pytest.approx(2 * FLAT.cycle_ms(3), rel=0.05)
+    assert auto.cycle_ms(0, 1) == pytest.approx(FLAT.cycle_ms(0))
     assert auto.best(est) < 3
+
+
+def test_at_one_row_every_drafting_k_follows_the_cycles_of_any():
+    """At one row the drafting K share one ratio: a K priced high by a slow stretch of its own
+    cycles is priced again by the next cycles of any other K (a ratio per K moved only while
+    that K ran, and a K that no longer ran kept its stale price); K=0 and prompt-lookup cycles
+    keep their own. From two rows on each K keeps its own."""
+    auto = AutoK(FLAT, 3)
+    for _ in range(15):
+        auto.observe_cycle(2, 1, 1.5 * FLAT.cycle_ms(2))
+    assert auto.cycle_ms(2, 1) == pytest.approx(1.5 * FLAT.cycle_ms(2))
+    for _ in range(15):  # the loop is fast again; only K=1 runs
+        auto.observe_cycle(1, 1, FLAT.cycle_ms(1))
+    assert auto.cycle_ms(2, 1) == pytest.approx(FLAT.cycle_ms(2))
+    assert auto.cycle_ms(3, 1) == pytest.approx(FLAT.cycle_ms(3))
+    assert auto.cycle_ms(0, 1) == pytest.approx(FLAT.cycle_ms(0))
+    for _ in range(15):
+        auto.observe_cycle(2, 1, 1.3 * FLAT.verify_at(3, 1), head_steps=False)  # prompt lookup's own
+    assert auto.cycle_ms(2, 1) == pytest.approx(FLAT.cycle_ms(2))
+    assert auto.cycle_ms(1, 1, head_steps=False) == pytest.approx(1.3 * FLAT.verify_at(2, 1))
+    for _ in range(15):  # at 4 rows: per K
+        auto.observe_cycle(2, 4, 1.5 * FLAT.cycle_ms(2, 4))
+    assert auto.cycle_ms(2, 4) == pytest.approx(1.5 * FLAT.cycle_ms(2, 4))
+    assert auto.cycle_ms(1, 4) == pytest.approx(FLAT.cycle_ms(1, 4))
 
 
 def test_calibration_is_kept_per_batch_size_class():
@@ -959,3 +983,23 @@ def test_plans_back_off_under_load_after_a_run_of_k0(rows):
         assert len(plans) == cycles
     else:  # the first probe_every cycles, then one in PLAN_EVERY
         assert len(plans) <= 8 + (cycles - 8) // eng.PLAN_EVERY + 1 and len(plans) < cycles
+
+
+def test_conditional_acceptance_counts_only_cycles_that_drafted_that_position():
+    """auto's cycles draft different K: a_2 is the share of cycles that drafted a second token,
+    having accepted the first, that accepted it too; a K=1 cycle is no miss at position 2.
+    A_k and tau keep their definitions (fractions of all cycles)."""
+    from fastmtp_sglang.decode.metrics import summarize_cycles
+
+    accepted = [1, 1, 1, 2, 0, 0, 2]
+    drafted = [1, 1, 2, 2, 2, 0, 3]
+    s = summarize_cycles(accepted, 3, drafted)
+    # position 1: drafted by 6 cycles, accepted by 5; position 2: drafted after an accepted
+    # first by cycles 3, 4 and 7, accepted by 4 and 7; position 3: only cycle 7, rejected
+    assert s["a_k"] == pytest.approx([5 / 6, 2 / 3, 0.0])
+    assert s["A_k"] == pytest.approx([5 / 7, 2 / 7, 0.0])
+    assert s["tau"] == pytest.approx(1 + sum(accepted) / 7)
+    plain = summarize_cycles(accepted, 3)  # without drafted: A_k / A_(k-1), as before
+    assert plain["a_k"] == pytest.approx([5 / 7, 2 / 5, 0.0])
+    with pytest.raises(ValueError):
+        summarize_cycles(accepted, 3, drafted[:-1])

@@ -65,8 +65,11 @@ def successor_world() -> tuple[Target, FastMTPHead]:
 
 
 def greedy_reference(target: Target, prompt: list[int], n: int) -> list[int]:
-    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
+    """transformers' own greedy decoding of ``prompt``. The attention mask is given: without
+    it ``generate`` would infer one from ``pad_token_id`` and hide a prompt's token 0."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

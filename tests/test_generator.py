@@ -19,8 +19,10 @@ PROMPTS = [[1, 5, 7, 9, 11], [3, 4], [8, 8, 8, 8, 8, 8, 8, 8, 2, 40, 41], [17], 
 
 
 def hf_greedy(target, ids, n):
-    out = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                min_new_tokens=n, pad_token_id=0)
+    # (the mask given: inferred from pad_token_id, it would hide a prompt's token 0)
+    x = torch.tensor([ids])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                do_sample=False, min_new_tokens=n, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

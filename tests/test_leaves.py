@@ -222,8 +222,8 @@ def test_engine_refuses_auto_at_another_width(llama):
         ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False), width=3)
 
 
-def test_auto_default_drafts_leaves_only_where_the_batch_samples(llama):
-    """``greedy_leaves=False`` (auto's default): a greedy batch drafts a chain (its cycles are
+def test_leaves_only_where_the_batch_samples(llama):
+    """``greedy_leaves=False`` (an engine option): a greedy batch drafts a chain (its cycles are
     the width-1 engine's, token for token), a sampled one drafts leaves; both stay lossless."""
     from test_auto import FLAT
 

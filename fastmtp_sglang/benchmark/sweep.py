@@ -71,6 +71,7 @@ class BenchConfig:
     # the auto arm's K range: auto.max_steps, or its ceiling until build_engines settles it from
     # this machine's costs (decode/auto_setup.py); 0 = no auto arm
     auto_steps: int = 0
+    auto_width: int = 1  # the width the auto engine drafts at (settled with auto_steps)
     # the head with leaves (decode/leaves.py): arms at these K, each drafted position with
     # leaf_width candidates (the chain's and leaf_width - 1 leaves); in-process
     leaf_steps: list[int] = field(default_factory=list)
@@ -142,7 +143,10 @@ def _stats(group: list[Sample], k: int, repeats: int) -> dict[str, Any]:
     """Acceptance over all cycles of the group; tokens/s = median over repeats of the ratio."""
     out: dict[str, Any] = {"steps": k, "prompts": len(group) // max(repeats, 1)}
     if all(s.accepted is not None for s in group):
-        out.update(summarize_cycles([a for s in group for a in s.accepted], k))
+        # (auto: a_k among the cycles that drafted a k-th token, not all of them)
+        drafted = ([d for s in group for d in s.drafted] if all(s.drafted is not None for s in group)
+                   else None)
+        out.update(summarize_cycles([a for s in group for a in s.accepted], k, drafted))
     else:  # SGLang: only totals per request
         cyc = sum(s.verify_ct for s in group)
         out.update(cycles=cyc, tau=sum(s.completion_tokens for s in group) / cyc if cyc else 0.0,
@@ -190,10 +194,8 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict[str, Any]:
         res["auto"] = {"overall": {ka: _stats(_group(samples, ka, None, "auto"), ka, cfg.repeats)},
                        "categories": {c: {ka: _stats(_group(samples, ka, c, "auto"), ka, cfg.repeats)}
                                       for c in cats}}
-        if cfg.auto.width is None and cfg.temperature > 0:  # leaves where the batch samples
-            res["auto"]["width"] = cfg.auto.leaf_width
-        elif cfg.auto.width is not None and cfg.auto.width > 1:
-            res["auto"]["width"] = cfg.auto.width
+        if cfg.auto_width > 1:  # (the engine's: the default is a chain where leaves cannot run)
+            res["auto"]["width"] = cfg.auto_width
     blocks = [("head", None, res["overall"]), *[("head", c, res["categories"][c]) for c in cats]]
     for extra in ("ngram", "leaves", "auto"):
         if extra in res:
@@ -391,7 +393,7 @@ def build_engines(target, head, cfg: BenchConfig, max_context: int | None = None
         batched = [auto_costs(target, head, cfg.auto, draft_vocab, progress, batch=b)
                    for b in cost_batches if b > 1]
         engine = build_auto_engine(cfg.auto, target, head, curve, max_context, draft_vocab, batched)
-        cfg.auto_steps = engine.steps
+        cfg.auto_steps, cfg.auto_width = engine.steps, engine.width
         if progress:
             print("auto: " + describe(cfg.auto, engine.steps), file=sys.stderr)
         engines[("auto", cfg.auto_steps)] = engine

@@ -349,7 +349,8 @@ class AutoK:
         k, cls = key[0], key[1]
         own = self.calib.get((0, cls), 1.0)
         if k and cls > 1:
-            own = max(own, self.calib.get((k, cls // 2, *key[2:]), own))
+            below = (1 if cls // 2 == 1 else k, cls // 2, *key[2:])  # (one row: pooled, _calib_key)
+            own = max(own, self.calib.get(below, own))
         return own
 
     @staticmethod
@@ -358,8 +359,18 @@ class AutoK:
         (K, batch class, "lookup") for drafting cycles without the head (hybrid, every row on
         prompt lookup). The two are priced from different parts of the curve (the verify alone,
         or the verify with the head's steps and extend), so one ratio cannot fit both
-        (docs/design.md section 6.8, "Lookup cycles are calibrated apart")."""
+        (docs/design.md section 6.8, "Lookup cycles are calibrated apart").
+
+        At one row every drafting K of a kind shares one ratio, keyed as K=1: there a cycle's
+        time beyond the curve is the loop's own, about the same at every K, and a ratio per K
+        moved only while that K ran, so one slow stretch of K=2 cycles priced K=2 high until it
+        ran again, which it then did not (measured: a bench run at T=1 spent whole requests at
+        K=1, a quarter of its cycles, tau 1.53 there against 1.84 at K=2; docs/design.md
+        section 6.7, "One ratio at one row"). From two rows on the loop's costs grow with K and
+        the rows, and each K keeps its own."""
         cls = batch_class(batch)
+        if k and cls == 1:
+            k = 1
         return (k, cls) if head_steps or not k else (k, cls, "lookup")
 
     def _model_ms(self, k: int, batch: int, head_steps: bool, deferred: int) -> float:

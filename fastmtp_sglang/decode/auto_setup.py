@@ -24,7 +24,7 @@ from fastmtp_sglang.decode.auto import AutoK, StepCosts, expected_tokens
 AUTO_CEILING = 8    # the deepest K considered by default (K<=8 beat K<=3 by 1.14x in speedup: docs/design.md section 6.7)
 ACCEPT_BOUND = 0.9  # per-position acceptance of the best case that sizes the range
 AUTO_DRAFTERS = ("hybrid", "head")
-DEFAULT_SAMPLED_WIDTH = 3  # leaves in auto's sampled cycles by default (AutoSpec.width None)
+DEFAULT_WIDTH = 3  # leaves in auto's head cycles by default (AutoSpec.width None), where the lean forward runs
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,11 @@ class AutoSpec:
         same speed (docs/design.md section 6.7, "Splices").
     width : int or None
         Candidates per position the head drafts: its draft and ``width - 1`` leaves beside it,
-        verified in the same forward (decode/leaves.py); 1 = a chain. None (default): 3 in
-        cycles whose batch samples, a chain in greedy ones. Measured on the AMX protocol: sampled,
-        width 3 made `auto` 5-6% faster; greedy it raised tau 12% at the same speed and moved
-        categories both ways (bench/results/leaves/README.md).
+        verified in the same forward (decode/leaves.py); 1 = a chain. None (default): 3 where
+        the target runs through the lean forward (a tree mask needs it), else a chain. Measured
+        on the AMX protocol once a verified token cost ~0.15 ms (vectorised norm and rotary):
+        greedy 1.70x -> 1.79x with tau 2.14 -> 2.45 (bench/results/vector_kernels/); sampled,
+        width 3 had made `auto` 5-6% faster already (bench/results/leaves/).
     """
 
     max_steps: int | None = None
@@ -98,9 +99,9 @@ class AutoSpec:
                             "default off: measured, more accepted tokens at the same speed")
         p.add_argument("--auto-width", type=int, default=None,
                        help=f"{scope}: candidates per position the head drafts, its draft and "
-                            "width - 1 leaves beside it, verified in the same forward, in every "
-                            "cycle (1: a chain); default: 3 where the batch samples, a chain "
-                            "where it is greedy")
+                            "width - 1 leaves beside it, verified in the same forward (1: a "
+                            f"chain); default: {DEFAULT_WIDTH} where the target runs through the "
+                            "engine's lean forward, else a chain")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "AutoSpec":
@@ -113,8 +114,8 @@ class AutoSpec:
 
     @property
     def leaf_width(self) -> int:
-        """The width of cycles that draft with leaves (``width``, or 3 by default)."""
-        return self.width if self.width is not None else DEFAULT_SAMPLED_WIDTH
+        """The width the head drafts at where leaves can run (``width``, or 3 by default)."""
+        return self.width if self.width is not None else DEFAULT_WIDTH
 
     @property
     def ceiling(self) -> int:
@@ -188,8 +189,7 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
                            auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every,
                                       width=width),
-                           hybrid=hybrid, splice=spec.splice, width=width,
-                           greedy_leaves=spec.width is not None)
+                           hybrid=hybrid, splice=spec.splice, width=width)
 
 
 def describe(spec: AutoSpec, kmax: int) -> str:
@@ -200,4 +200,4 @@ def describe(spec: AutoSpec, kmax: int) -> str:
     return (f"K in 0..{kmax} per cycle ({why}); drafter {spec.drafter}"
             + (", splices on" if spec.drafter == "hybrid" and spec.splice else "")
             + (f", width {spec.width} (leaves)" if spec.width is not None and spec.width > 1 else
-               f", width {spec.leaf_width} (leaves) when sampling" if spec.width is None else ""))
+               f", width {spec.leaf_width} (leaves) where the lean forward runs" if spec.width is None else ""))

@@ -3,7 +3,9 @@
 - A cycle is one target verification; it emits ``accepted + 1`` tokens.
 - tau (acceptance length) = emitted tokens / cycles (SGLang: ``spec_accept_length``).
 - A_k (cumulative) = fraction of cycles whose first k drafts were all accepted; tau = 1 + sum A_k.
-- a_k (conditional) = A_k / A_{k-1}.
+- a_k (conditional) = A_k / A_{k-1}; where cycles verify different numbers of drafts (``auto``),
+  among the cycles that accepted k-1 drafts only those that drafted a k-th: a cycle at K=1
+  says nothing about position 2.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ class RequestMetrics:
         return s
 
 
-def summarize_cycles(accepted: Iterable[int], steps: int) -> dict[str, Any]:
-    """tau, A_k, a_k and the histogram of accepted counts from per-cycle accepted counts."""
+def summarize_cycles(accepted: Iterable[int], steps: int,
+                     drafted: Iterable[int] | None = None) -> dict[str, Any]:
+    """tau, A_k, a_k and the histogram of accepted counts from per-cycle accepted counts;
+    ``drafted``: per cycle, the drafts it verified, where that varies (module docstring)."""
     acc = list(accepted)
     n = len(acc)
     hist = [0] * (steps + 1)
@@ -61,8 +65,13 @@ def summarize_cycles(accepted: Iterable[int], steps: int) -> dict[str, Any]:
         hist[min(a, steps)] += 1
     A = [sum(1 for a in acc if a >= k) / n if n else 0.0 for k in range(1, steps + 1)]
     a_cond = []
+    if drafted is not None:
+        pairs = list(zip(acc, drafted, strict=True))
+        for k in range(1, steps + 1):
+            tried = sum(1 for a, d in pairs if a >= k - 1 and d >= k)
+            a_cond.append(sum(1 for a, d in pairs if a >= k and d >= k) / tried if tried else 0.0)
     prev = 1.0
-    for v in A:
+    for v in A if drafted is None else ():
         a_cond.append(v / prev if prev > 0 else 0.0)
         prev = v
     return {
