@@ -65,15 +65,16 @@ def summarize_cycles(accepted: Iterable[int], steps: int,
         hist[min(a, steps)] += 1
     A = [sum(1 for a in acc if a >= k) / n if n else 0.0 for k in range(1, steps + 1)]
     a_cond = []
-    if drafted is not None:
+    if drafted is not None:  # among the cycles that reached position k with a draft there
         pairs = list(zip(acc, drafted, strict=True))
         for k in range(1, steps + 1):
             tried = sum(1 for a, d in pairs if a >= k - 1 and d >= k)
             a_cond.append(sum(1 for a, d in pairs if a >= k and d >= k) / tried if tried else 0.0)
-    prev = 1.0
-    for v in A if drafted is None else ():
-        a_cond.append(v / prev if prev > 0 else 0.0)
-        prev = v
+    else:
+        prev = 1.0
+        for v in A:
+            a_cond.append(v / prev if prev > 0 else 0.0)
+            prev = v
     return {
         "cycles": n,
         "emitted": sum(acc) + n,
