@@ -81,10 +81,10 @@ def test_built_engine_runs_the_range_the_costs_allow():
     fixed = build_auto_engine(AutoSpec(2, "head"), t, head, curve)
     assert fixed.steps == 2 and not fixed.hybrid
     wide = build_auto_engine(AutoSpec(2, width=3), t, head, curve)
-    assert wide.width == wide.auto.width == 3 and wide.greedy_leaves and "width 3" in describe(AutoSpec(2, width=3), 2)
+    assert wide.width == wide.auto.width == 3 and "width 3" in describe(AutoSpec(2, width=3), 2)
     # the default: leaves (width 3) in every cycle where the lean forward runs, else a chain
     dflt = build_auto_engine(AutoSpec(2), t, head, curve)
-    assert dflt.width == 3 and dflt.greedy_leaves and "where the lean forward runs" in describe(AutoSpec(2), 2)
+    assert dflt.width == dflt.auto.width == 3 and "where the lean forward runs" in describe(AutoSpec(2), 2)
     t.model.config.hidden_act = "gelu"  # a model the lean forward does not cover: a chain
     try:
         assert build_auto_engine(AutoSpec(2), t, head, curve).width == 1

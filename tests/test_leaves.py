@@ -220,22 +220,3 @@ def test_engine_refuses_auto_at_another_width(llama):
     t, head, _ = llama
     with pytest.raises(ValueError, match="same"):
         ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False), width=3)
-
-
-def test_leaves_only_where_the_batch_samples(llama):
-    """``greedy_leaves=False`` (an engine option): a greedy batch drafts a chain (its cycles are
-    the width-1 engine's, token for token), a sampled one drafts leaves; both stay lossless."""
-    from test_auto import FLAT
-
-    from fastmtp_sglang.decode.auto import AutoK
-
-    t, head, ref = llama
-    mk = lambda w, gl: ReferenceEngine(t, head, 3, auto=AutoK(FLAT, 3, calibrate=False, width=w),  # noqa: E731
-                                       width=w, greedy_leaves=gl)
-    greedy = [Request(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
-    one, dflt = mk(1, True).generate(greedy), mk(3, False).generate(greedy)
-    assert [r.output_ids for r in dflt] == ref
-    assert [[c.accepted for c in r.metrics.cycles] for r in dflt] == [[c.accepted for c in r.metrics.cycles] for r in one]
-    sampled = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=N_NEW, seed=i))
-               for i, p in enumerate(PROMPTS * 4)]
-    assert any(c.leaf for r in mk(3, False).generate(sampled) for c in r.metrics.cycles)

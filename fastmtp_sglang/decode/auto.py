@@ -231,9 +231,7 @@ class AutoK:
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
                              "margin in [0, 1), probe_budget > 0, row_margin in [0, 1), relax in [0, 1]")
         self.relax = relax
-        # the width this cycle drafts at (the engine sets it per cycle when leaves are for
-        # sampled batches only); the leaves' rate is kept whenever the engine may draft them
-        self.width = width
+        self.width = width  # the engine's (ReferenceEngine checks they agree)
         self.leaf = [self.LEAF_PRIOR] * kmax if width > 1 else []
         self.margin, self.probe_budget, self.row_margin = margin, probe_budget, row_margin
         self.costs, self.kmax = costs, kmax
@@ -349,7 +347,7 @@ class AutoK:
         k, cls = key[0], key[1]
         own = self.calib.get((0, cls), 1.0)
         if k and cls > 1:
-            below = (1 if cls // 2 == 1 else k, cls // 2, *key[2:])  # (one row: pooled, _calib_key)
+            below = self._calib_key(k, cls // 2, head_steps=not key[2:])
             own = max(own, self.calib.get(below, own))
         return own
 

@@ -49,7 +49,7 @@ class AutoSpec:
         Candidates per position the head drafts: its draft and ``width - 1`` leaves beside it,
         verified in the same forward (decode/leaves.py); 1 = a chain. None (default): 3 where
         the target runs through the lean forward (a tree mask needs it), else a chain. Measured
-        on the AMX protocol once a verified token cost ~0.18 ms (vectorised norm and rotary):
+        on the AMX protocol once a verified token cost 0.16-0.30 ms (vectorised norm and rotary):
         greedy 1.70x -> 1.79x with tau 2.14 -> 2.45 (bench/results/vector_kernels/); sampled,
         width 3 had made `auto` 5-6% faster already (bench/results/leaves/).
     """

@@ -120,14 +120,12 @@ class ReferenceEngine(AutoDrafting):
     width : candidates per drafted position (default 1, a chain): the head's draft and ``width
         - 1`` leaves beside it, verified in the same forward (decode/leaves.py); wherever the
         head drafts (a fixed K, auto's and hybrid's head cycles), through the lean forward
-    greedy_leaves : with ``width`` > 1, also draft leaves in cycles whose batch is greedy
-        (default True; False: sampled batches only, auto's default, AutoSpec.width)
     """
 
     def __init__(self, target, head: FastMTPHead | None, steps: int, max_context: int | None = None,
                  draft_vocab=None, drafter=None, auto=None, hybrid: bool = False,
                  packed: str | None = None, lean: str | None = None, splice: bool = False,
-                 width: int = 1, greedy_leaves: bool = True):
+                 width: int = 1):
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if auto is not None and (steps < 1 or auto.kmax != steps):
@@ -152,7 +150,6 @@ class ReferenceEngine(AutoDrafting):
         # and the head's on the bf16 CPU kernels where they run (decode/lean_head.py), or None
         self.lean_head = LeanHead(head) if head is not None and self.lean is not None else None
         self.width = _check_width(width, head, drafter, hybrid, self.lean)
-        self.greedy_leaves = greedy_leaves
         if auto is not None and getattr(auto, "width", 1) != self.width:
             raise ValueError(f"auto prices cycles at width {getattr(auto, 'width', 1)}, the engine "
                              f"drafts at width {self.width}: give both the same")
@@ -184,11 +181,6 @@ class ReferenceEngine(AutoDrafting):
         vocab = int(self.target.config.get("vocab_size", 0)) or None
         if vocab and (max(req.input_ids) >= vocab or min(req.input_ids) < 0):
             raise RequestError(f"input_ids must lie in [0, {vocab})")
-
-    def _width_at(self, b: Batch) -> int:
-        """The width this batch's cycles draft at: 1 for a greedy batch when leaves are for
-        sampled batches only (``greedy_leaves`` False)."""
-        return 1 if b.greedy and not self.greedy_leaves else self.width
 
     # -- target calls -----------------------------------------------------------------------
     def _target(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
@@ -409,7 +401,7 @@ class ReferenceEngine(AutoDrafting):
                 pos = (b.pos + k - 2).clamp(max=self.max_context - 1)[:, None]
                 g = self._head(b.g[:, None], drafts[:, k - 2, None], pos, b.dcache)
                 b.g = g[:, 0]
-            if self._width_at(b) > 1:
+            if self.width > 1:
                 d, q, lv = leaves.candidates(b, b.g, self.width)
                 b.leaves = lv[:, None] if k == 1 else torch.cat([b.leaves, lv[:, None]], 1)
             else:

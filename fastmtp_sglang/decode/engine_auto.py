@@ -38,7 +38,6 @@ class AutoDrafting:
         hybrid, which rows take prompt lookup's proposal: ``b.plan``)."""
         if self.auto is None:
             return self.steps
-        self.auto.width = self._width_at(b)  # how this cycle's head drafts are priced
         rows = b.rows
         once, left = self._prompts_once(rows), self._cycles_left(rows)
         if not self.hybrid:
