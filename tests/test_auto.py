@@ -65,6 +65,19 @@ def test_sampled_rows_observe_acceptance_probabilities():
     assert est == pytest.approx([0.675, 0.4, 0.5])
 
 
+def test_sampled_rows_move_at_their_own_alpha():
+    """A sampled row's estimate moves by ``sampled_alpha``, a greedy row's by ``alpha``; the
+    shared estimate by ``shared_alpha`` either way."""
+    auto = AutoK(FLAT, 2, prior=0.5, alpha=0.4, sampled_alpha=0.1, shared_alpha=0.0, calibrate=False)
+    greedy, sampled = auto.new_estimate(), auto.new_estimate()
+    auto.update(greedy, 1, 1)
+    auto.update(sampled, 1, 1, probs=[1.0])
+    assert greedy[0] == pytest.approx(0.7) and sampled[0] == pytest.approx(0.55)
+    assert AutoK(FLAT, 2, alpha=0.3).sampled_alpha == 0.3  # None: the one alpha
+    with pytest.raises(ValueError, match="sampled_alpha"):
+        AutoK(FLAT, 2, sampled_alpha=0.0)
+
+
 def test_new_requests_start_from_what_earlier_requests_measured():
     auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1, calibrate=False)
     for _ in range(200):  # requests whose head is never right

@@ -42,7 +42,8 @@ def test_spec_checks_and_cost_points():
     assert AutoSpec(3).cost_points() == (1, 2, 3, 4)
     pts = AutoSpec().cost_points()
     assert pts[0] == 1 and pts[-1] == AUTO_CEILING + 1 and list(pts) == sorted(set(pts))
-    for bad in (dict(max_steps=0), dict(drafter="tree"), dict(alpha=0.0), dict(probe_every=0)):
+    for bad in (dict(max_steps=0), dict(drafter="tree"), dict(alpha=0.0), dict(probe_every=0),
+                dict(sampled_alpha=1.5)):
         with pytest.raises(ValueError):
             AutoSpec(**bad)
     assert "--auto-max-steps" in describe(AutoSpec(3), 3) and "deepest" in describe(AutoSpec(), 5)
@@ -63,6 +64,8 @@ def test_one_parser_for_steps():
         AutoSpec.from_cli_args(p.parse_args(["--auto-max-steps", "0"]))
     assert AutoSpec.from_cli_args(p.parse_args(["--auto-width", "3"])).width == 3 and AutoSpec().width is None
     assert AutoSpec().leaf_width == 3 and AutoSpec(width=1).leaf_width == 1
+    assert AutoSpec.from_cli_args(p.parse_args(["--auto-sampled-alpha", "0.3"])).sampled_alpha == 0.3
+    assert AutoSpec().sampled_alpha < AutoSpec().alpha
     with pytest.raises(FastMTPError, match="auto-width"):
         AutoSpec.from_cli_args(p.parse_args(["--auto-width", "0"]))
 
@@ -80,6 +83,7 @@ def test_built_engine_runs_the_range_the_costs_allow():
     assert "splices on" in describe(AutoSpec(2, splice=True), 2) and "splices" not in describe(AutoSpec(2), 2)
     fixed = build_auto_engine(AutoSpec(2, "head"), t, head, curve)
     assert fixed.steps == 2 and not fixed.hybrid
+    assert build_auto_engine(AutoSpec(2, sampled_alpha=0.07), t, head, curve).auto.sampled_alpha == 0.07
     wide = build_auto_engine(AutoSpec(2, width=3), t, head, curve)
     assert wide.width == wide.auto.width == 3 and "width 3" in describe(AutoSpec(2, width=3), 2)
     # the default: leaves (width 3) in every cycle where the lean forward runs, else a chain

@@ -5,12 +5,14 @@ the chain's draft is not; the attention layout is the tree it claims."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fastmtp_sglang.decode import leaves
+from fastmtp_sglang.decode.batch import Batch
 from fastmtp_sglang.decode.engine import ReferenceEngine, Request
 from fastmtp_sglang.decode.sampling import SamplingParams
 from test_engine import N_NEW, PROMPTS, greedy_reference, random_head, tiny_target
@@ -71,8 +73,13 @@ def test_context_limit_with_leaves(llama):
 
 
 def _row(V: int, seed: int):
-    return SimpleNamespace(greedy=False, temp=torch.ones(1), top_p=torch.ones(1),
-                           top_k=torch.zeros(1, dtype=torch.long), gens=[torch.Generator().manual_seed(seed)])
+    """A one-row sampled batch as the walk reads it; its distributions come through
+    ``Batch.probs`` (the per-row tensors' path)."""
+    b = SimpleNamespace(greedy=False, plain_temp=None, temp=torch.ones(1), top_p=torch.ones(1),
+                        top_k=torch.zeros(1, dtype=torch.long), gens=[torch.Generator().manual_seed(seed)])
+    b.dist_params = functools.partial(Batch.dist_params, b)
+    b.probs = functools.partial(Batch.probs, b)
+    return b
 
 
 @pytest.mark.parametrize("W", [1, 3])

@@ -8,7 +8,9 @@ import torch
 
 from fastmtp_sglang.decode.sampling import (
     SamplingParams,
+    draw_distinct,
     logits_to_probs,
+    plain_temperature,
     sample,
     verify_greedy,
     verify_sampling,
@@ -223,6 +225,82 @@ def test_sample_honours_generator():
     p = torch.softmax(torch.randn(1000, 50, generator=gen(0)), -1)
     assert torch.equal(sample(p, gen(9)), sample(p, gen(9)))
     assert not torch.equal(sample(p, gen(9)), sample(p, gen(10)))
+
+
+# --- draw_distinct ----------------------------------------------------------------------------
+
+
+def zero_and_resample(p: torch.Tensor, w: int, g: torch.Generator) -> list[int]:
+    """The law draw_distinct keeps, the slow way: draw, zero what was drawn, draw again."""
+    left, out = p[None].clone(), []
+    for _ in range(w):
+        if not float(left.sum()) > 0:
+            break
+        out.append(int(sample(left, generator=g)[0]))
+        left[0, out[-1]] = 0.0
+    return out + [-1] * (w - len(out))
+
+
+def test_draw_distinct_draws_what_zero_and_resample_draws():
+    """Seed for seed the same entries as zeroing each draw and sampling again: one uniform per
+    draw, mapped to the same entry (over 400 seeds and rows with zeros and a dominant entry)."""
+    rows = [torch.softmax(torch.randn(300, generator=gen(1)) * 2, -1),
+            torch.tensor([0.0, 0.9, 0.0, 0.05, 0.03, 0.02, 0.0]),
+            torch.tensor([0.25, 0.25, 0.25, 0.25])]
+    for p in rows:
+        for seed in range(400 if p.numel() < 100 else 100):
+            got = draw_distinct(p[None], 3, [gen(seed)])[0].tolist()
+            assert got == zero_and_resample(p, 3, gen(seed)), (p, seed)
+            assert len(set(got)) == 3 and all(p[t] > 0 for t in got)
+
+
+def test_draw_distinct_law_of_ordered_pairs():
+    """The first two draws of [0.5, 0.3, 0.2] follow P(i, j) = p_i p_j / (1 - p_i)."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    n = 6000
+    g = gen(11)
+    pairs = draw_distinct(p.expand(n, -1), 2, [g] * n)
+    code = pairs[:, 0] * 3 + pairs[:, 1]
+    want = torch.zeros(9)
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                want[i * 3 + j] = p[i] * p[j] / (1 - p[i])
+    assert tv(code, want) < 0.03
+
+
+def test_draw_distinct_rows_with_fewer_entries_than_draws():
+    p = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0]])
+    got = draw_distinct(p, 3, [gen(0), gen(1), gen(2)])
+    assert got[0].tolist() == [1, -1, -1]
+    assert got[1].tolist() == [-1, -1, -1]
+    assert sorted(got[2, :2].tolist()) == [0, 2] and got[2, 2] == -1
+    with pytest.raises(ValueError, match="generators"):
+        draw_distinct(p, 3, [gen(0)])
+
+
+# --- logits_to_probs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1.0, 0.7, 1.3])
+def test_plain_path_gives_the_per_row_paths_probabilities(t):
+    """Scalars (the softmax alone) and per-row tensors give the same probabilities bit for bit,
+    -inf logits included: a seeded row draws the same whichever path its batch takes."""
+    logits = torch.randn(4, 1000, generator=gen(3)) * 3
+    logits[:, ::7] = float("-inf")
+    plain = logits_to_probs(logits, t, 1.0, -1)
+    rows = logits_to_probs(logits, torch.full((4,), t), torch.ones(4), torch.full((4,), -1))
+    assert torch.equal(plain, rows)
+    assert (plain[:, ::7] == 0).all()
+
+
+def test_plain_temperature():
+    sp = lambda **k: SamplingParams(**k)  # noqa: E731
+    assert plain_temperature([sp(temperature=0.7), sp(temperature=0.7, seed=3)]) == 0.7
+    assert plain_temperature([sp(temperature=0.7), sp(temperature=1.0)]) is None
+    assert plain_temperature([sp(temperature=1.0), sp()]) is None  # a greedy row
+    assert plain_temperature([sp(temperature=1.0, top_p=0.9)]) is None
+    assert plain_temperature([sp(temperature=1.0, top_k=50)]) is None
 
 
 # --- logits_to_probs --------------------------------------------------------------------------

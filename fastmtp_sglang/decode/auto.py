@@ -193,6 +193,13 @@ class AutoK:
     prior : starting conditional acceptance at every position for the first request (0.5: a head
         that is right half the time; the first cycles then draft, and the estimates take over)
     alpha : weight of the newest observation in a request's moving average
+    sampled_alpha : the same for a sampled row (``update`` with ``probs``), None = ``alpha``.
+        A row observes a probability per position there, not a 0/1 outcome, but those swing
+        from token to token while a greedy row's outcomes come in runs (copied spans): at
+        alpha 0.2 a sampled row's estimate sank low on a few hard tokens, the row drafted short
+        on what was only noise (K=1 cycles realised tau 1.46 where they were priced at ~1.35),
+        and `auto` fell 3-5% behind the fixed K=2 + leaves at T=0.7-1 (docs/design.md section
+        6.7, "A sampled row's estimate moves slower")
     shared_alpha : the same for the estimate shared by all requests, which is where each new
         request starts (so request 100 does not relearn from 0.5 what 99 requests measured)
     probe_every : cycles at K=0 after which one cycle may draft at K=1 to re-measure acceptance
@@ -222,7 +229,7 @@ class AutoK:
     def __init__(self, costs: StepCosts, kmax: int, prior: float = 0.5, alpha: float = 0.2,
                  probe_every: int = 8, shared_alpha: float = 0.02, calibrate: bool = True,
                  margin: float = 0.03, probe_budget: float = 0.02, row_margin: float = 0.01,
-                 relax: float = 0.05, width: int = 1):
+                 relax: float = 0.05, width: int = 1, sampled_alpha: float | None = None):
         if kmax < 1:
             raise ValueError(f"auto needs kmax >= 1, got {kmax}")
         if not (0.0 <= prior <= 1.0 and 0.0 < alpha <= 1.0 and 0.0 <= shared_alpha <= 1.0
@@ -230,6 +237,9 @@ class AutoK:
                 and 0.0 <= row_margin < 1.0 and 0.0 <= relax <= 1.0):
             raise ValueError("prior in [0, 1], alpha in (0, 1], shared_alpha in [0, 1], probe_every >= 1, "
                              "margin in [0, 1), probe_budget > 0, row_margin in [0, 1), relax in [0, 1]")
+        if sampled_alpha is not None and not 0.0 < sampled_alpha <= 1.0:
+            raise ValueError(f"sampled_alpha in (0, 1], got {sampled_alpha}")
+        self.sampled_alpha = alpha if sampled_alpha is None else sampled_alpha
         self.relax = relax
         self.width = width  # the engine's (ReferenceEngine checks they agree)
         self.leaf = [self.LEAF_PRIOR] * kmax if width > 1 else []
@@ -266,7 +276,8 @@ class AutoK:
         source drafted from this chain position on (a splice: the other source before it);
         ``shift``: chain position j is the source's position j - shift (a proposal that
         started there)."""
-        self._observe(est, k, accepted, self.alpha, probs, first, shift)
+        self._observe(est, k, accepted, self.alpha if probs is None else self.sampled_alpha, probs,
+                      first, shift)
         if k:
             self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:

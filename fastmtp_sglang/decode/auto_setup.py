@@ -38,6 +38,10 @@ class AutoSpec:
         ``hybrid``: the head and prompt lookup, per row and cycle; ``head``: the head alone.
     alpha : float
         Weight of a cycle in a request's moving acceptance estimate, in (0, 1].
+    sampled_alpha : float
+        The same for a sampled request, whose cycles observe acceptance probabilities; in
+        (0, 1]. Lower than ``alpha``: measured, docs/design.md section 6.7, "A sampled row's
+        estimate moves slower".
     probe_every : int
         Cycles at K=0 before the controller may draft once at K=1 to look again, >= 1.
     splice : bool
@@ -60,6 +64,7 @@ class AutoSpec:
     probe_every: int = 8
     splice: bool = False
     width: int | None = None
+    sampled_alpha: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -70,6 +75,8 @@ class AutoSpec:
             raise ValueError(f"the auto drafter is one of {AUTO_DRAFTERS}, got {self.drafter!r}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"--auto-alpha must be in (0, 1], got {self.alpha}")
+        if not 0.0 < self.sampled_alpha <= 1.0:
+            raise ValueError(f"--auto-sampled-alpha must be in (0, 1], got {self.sampled_alpha}")
         if self.probe_every < 1:
             raise ValueError(f"--auto-probe-every must be >= 1, got {self.probe_every}")
         if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int)
@@ -87,8 +94,11 @@ class AutoSpec:
                        help=f"{scope}: the head and prompt lookup per request and cycle, each where "
                             "it is expected to accept more (hybrid, default), or the head alone")
         p.add_argument("--auto-alpha", type=float, default=AutoSpec.alpha,
-                       help=f"{scope}: weight of a cycle in a request's running acceptance estimate "
-                            f"(default {AutoSpec.alpha})")
+                       help=f"{scope}: weight of a cycle in a greedy request's running acceptance "
+                            f"estimate (default {AutoSpec.alpha})")
+        p.add_argument("--auto-sampled-alpha", type=float, default=AutoSpec.sampled_alpha,
+                       help=f"{scope}: the same for a sampled request (temperature > 0), whose "
+                            f"cycles observe acceptance probabilities (default {AutoSpec.sampled_alpha})")
         p.add_argument("--auto-probe-every", type=int, default=AutoSpec.probe_every,
                        help=f"{scope}: cycles at K=0 before one cycle drafts at K=1 to look again "
                             f"(default {AutoSpec.probe_every})")
@@ -108,7 +118,8 @@ class AutoSpec:
         """The AutoSpec the ``--auto-*`` flags ask for; FastMTPError naming the flag when one is off."""
         try:
             return cls(args.auto_max_steps, args.auto_drafter, args.auto_alpha, args.auto_probe_every,
-                       args.auto_splice == "on", getattr(args, "auto_width", AutoSpec.width))
+                       args.auto_splice == "on", getattr(args, "auto_width", AutoSpec.width),
+                       getattr(args, "auto_sampled_alpha", AutoSpec.sampled_alpha))
         except ValueError as exc:
             raise FastMTPError(str(exc)) from None
 
@@ -188,7 +199,7 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
                            drafter=NgramDrafter(max_ngram=4) if hybrid else None,
                            auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every,
-                                      width=width),
+                                      width=width, sampled_alpha=spec.sampled_alpha),
                            hybrid=hybrid, splice=spec.splice, width=width)
 
 

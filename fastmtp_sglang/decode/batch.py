@@ -18,7 +18,7 @@ import torch
 
 from fastmtp_sglang.decode.capture import Capture
 from fastmtp_sglang.decode.metrics import RequestMetrics
-from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, sample, sample_rows
+from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, plain_temperature, sample, sample_rows
 
 REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
 
@@ -142,6 +142,25 @@ class Batch:
         self.temp = torch.tensor([p.temperature for p in params], device=dev)
         self.top_p = torch.tensor([p.top_p for p in params], device=dev)
         self.top_k = torch.tensor([p.top_k for p in params], device=dev)
+        # every row at one temperature without top-k / top-p: a softmax serves them (probs)
+        self.plain_temp = None if self.greedy else plain_temperature(params)
+
+    def dist_params(self, row: int | None = None, repeat: int = 1) -> tuple:
+        """``logits_to_probs``' temperature, top_p and top_k for lines of logits of these rows:
+        one line per row, ``repeat`` consecutive lines per row, or only row ``row``'s. Python
+        scalars where every row samples plainly at one temperature (the softmax alone), the
+        per-row tensors otherwise."""
+        if self.plain_temp is not None:
+            return self.plain_temp, 1.0, -1
+        params = (self.temp, self.top_p, self.top_k)
+        if row is not None:
+            return tuple(x[row:row + 1] for x in params)
+        return tuple(x.repeat_interleave(repeat) for x in params) if repeat > 1 else params
+
+    def probs(self, logits: torch.Tensor, row: int | None = None, repeat: int = 1) -> torch.Tensor:
+        """The distributions these rows sample from (``logits_to_probs``): logits [m, V] laid
+        out as :meth:`dist_params` says -> probabilities [m, V], float32."""
+        return logits_to_probs(logits, *self.dist_params(row, repeat))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -151,7 +170,7 @@ class Batch:
         """logits [n, V], one row per batch row -> (tokens [n], probs [n, V] or None)."""
         if self.greedy:
             return first_argmax(logits), None
-        probs = logits_to_probs(logits.float(), self.temp, self.top_p, self.top_k)
+        probs = self.probs(logits.float())
         toks = torch.cat([sample(probs[i:i + 1], g) for i, g in enumerate(self.gens)])
         return toks, probs
 
@@ -170,8 +189,7 @@ class Batch:
             return self.pick(e.head.project(g).float())
         if self.greedy:
             return e.draft_vocab.greedy(g, self.tidx, self.extra), None
-        return sample_draft(e.draft_vocab, g, self.tidx, self.extra, self.temp, self.top_p,
-                            self.top_k, self.gens)
+        return sample_draft(e.draft_vocab, g, self.tidx, self.extra, *self.dist_params(), self.gens)
 
     # -- rows leaving and joining -------------------------------------------------------------------
     def finished(self) -> list[Row]:
@@ -276,15 +294,15 @@ class Batch:
 
 
 def sample_draft(vocab, g: torch.Tensor, tidx: torch.Tensor, extra: torch.Tensor | None,
-                 temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 temp: torch.Tensor | float, top_p: torch.Tensor | float, top_k: torch.Tensor | int,
                  gens: list) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled draft step over a compressed vocabulary (``vocab``: vocab.draft_vocab.DraftVocab):
     the head's output g [n, H] -> (draft tokens [n], q [n, V]). The softmax and the draw run over
     each row's table slots only (16K, not the 49K vocabulary; batch 1 on CPU: the one product of
     the greedy step); q is zero outside them, so it is built by spreading the slots'
     probabilities into a zero row (a masked slot: padding, a duplicate or out-of-range extra id,
-    has probability 0 and adds nothing). temp/top_p/top_k [n] and one generator per row, as
-    ``Batch._index`` keeps them."""
+    has probability 0 and adds nothing). temp/top_p/top_k as ``Batch.dist_params`` gives them,
+    and one generator per row."""
     lg, ids = vocab.compressed_logits(g, tidx, extra)                                # [n, S] each
     probs = logits_to_probs(lg, temp, top_p, top_k)                                  # [n, S]
     slot = torch.cat([sample(probs[i:i + 1], gen) for i, gen in enumerate(gens)])

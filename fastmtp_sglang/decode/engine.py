@@ -45,7 +45,7 @@ from fastmtp_sglang.decode import leaves
 from fastmtp_sglang.decode.metrics import CycleLog, RequestMetrics
 from fastmtp_sglang.decode.slot_cache import SLACK, SlotCache, use_gqa_sdpa
 from fastmtp_sglang.decode.stops import emit
-from fastmtp_sglang.decode.sampling import SamplingParams, first_argmax, logits_to_probs, verify_greedy, verify_sampling
+from fastmtp_sglang.decode.sampling import SamplingParams, first_argmax, verify_greedy, verify_sampling
 
 
 class RequestError(ValueError):
@@ -442,10 +442,7 @@ class ReferenceEngine(AutoDrafting):
                 slot = torch.arange(Kc + 1, device=dev)[None]
                 emitted = torch.where(slot <= acc[:, None], first_argmax(tlogits), -1)
         else:
-            p = logits_to_probs(tlogits.reshape(n * (Kc + 1), -1),
-                                b.temp.repeat_interleave(Kc + 1),
-                                b.top_p.repeat_interleave(Kc + 1),
-                                b.top_k.repeat_interleave(Kc + 1)).view(n, Kc + 1, -1)
+            p = b.probs(tlogits.reshape(n * (Kc + 1), -1), repeat=Kc + 1).view(n, Kc + 1, -1)
             q = torch.stack(qs, 1) if Kc else p.new_zeros(n, 0, p.shape[-1])
             parts = [verify_sampling(drafts[i:i + 1, :c], q[i:i + 1, :c], p[i:i + 1, :c + 1], b.gens[i])
                      for i, c in enumerate(cap)]

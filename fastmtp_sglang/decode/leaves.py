@@ -37,7 +37,7 @@ import functools
 import torch
 
 from fastmtp_sglang.decode.batch import spread_slots
-from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, sample
+from fastmtp_sglang.decode.sampling import draw_distinct, first_argmax, sample
 
 __all__ = ["candidates", "positions", "tree_mask", "verify"]
 
@@ -89,19 +89,8 @@ def candidates(b, g: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor |
         top = lg.topk(min(W, lg.shape[-1]), dim=-1)
         toks = ids.gather(1, top.indices).masked_fill(top.values == float("-inf"), -1)
         return toks[:, 0], None, _pad(toks[:, 1:], W - 1)
-    probs = logits_to_probs(lg, b.temp, b.top_p, b.top_k)                             # [n, S]
-    # one draw at a time, each from what the earlier ones left (torch.multinomial without
-    # replacement took ~3x as long over a 16K table)
-    slots = torch.full((n, W), -1, dtype=torch.long, device=lg.device)
-    for i, gen in enumerate(b.gens):
-        left = probs[i:i + 1]
-        for w in range(W):
-            if w:
-                left = left.clone() if w == 1 else left
-                left[0, slots[i, w - 1]] = 0.0
-                if not float(left.sum()) > 0.0:
-                    break
-            slots[i, w] = sample(left, generator=gen)[0]
+    probs = b.probs(lg)                                                               # [n, S]
+    slots = draw_distinct(probs, W, b.gens)                                           # [n, W]
     toks = ids.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1)
     return toks[:, 0], spread_slots(probs, ids, e.target.lm_head.weight.shape[0]), toks[:, 1:]
 
@@ -162,8 +151,7 @@ def _target_probs(tlogits: torch.Tensor, b, i: int):
 
     def at(node: int) -> torch.Tensor:
         if node not in memo:
-            memo[node] = logits_to_probs(tlogits[i, node][None], b.temp[i:i + 1], b.top_p[i:i + 1],
-                                         b.top_k[i:i + 1])[0].float()
+            memo[node] = b.probs(tlogits[i, node][None], row=i)[0]
         return memo[node]
     return at
 
@@ -211,8 +199,7 @@ def _walk_sampled(chain: list[int], leaves: list[list[int]], qs: list[torch.Tens
                 node = leaf_node(K, W, k, j)
                 nxt = int(sample(p(node)[None], generator=gen)[0])
                 return toks + [x, nxt], nodes + [node], True
-        last = int(sample(_residual(r, q)[None], generator=gen)[0])
-        return toks + [last], nodes, False
+        return toks + [_draw_residual(r, q, gen)], nodes, False
     return toks + [int(sample(p(node)[None], generator=gen)[0])], nodes, False
 
 
@@ -220,6 +207,14 @@ def _keep(x: int, r: torch.Tensor, q: torch.Tensor, gen) -> bool:
     """A candidate x drawn from q is kept with probability min(1, r(x) / q(x)) (u in [0, 1):
     q <= r always keeps, r == 0 never does)."""
     return float(torch.rand(1, generator=gen)) * float(q[x]) < float(r[x])
+
+
+def _draw_residual(r: torch.Tensor, q: torch.Tensor, gen) -> int:
+    """A token from norm(max(r - q, 0)) (:func:`_residual`), drawn without normalising it."""
+    res = (r - q).clamp_min_(0.0)
+    if not float(res.sum()) > 0.0:
+        res = r
+    return int(sample(res[None], generator=gen)[0])
 
 
 def _residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
