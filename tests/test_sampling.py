@@ -12,6 +12,7 @@ from fastmtp_sglang.decode.sampling import (
     logits_to_probs,
     plain_temperature,
     sample,
+    sample_each,
     verify_greedy,
     verify_sampling,
 )
@@ -227,6 +228,21 @@ def test_sample_honours_generator():
     assert not torch.equal(sample(p, gen(9)), sample(p, gen(10)))
 
 
+def test_sample_each_draws_what_a_call_per_row_draws():
+    """One running sum for every row, each row's uniform from its own generator: the same tokens
+    as sample() called row by row with those generators (rows with zeros, one near one-hot)."""
+    p = torch.softmax(torch.randn(5, 3000, generator=gen(2)) * 2, -1)
+    p[1, ::2] = 0.0
+    p[2] = 0.0
+    p[2, 17] = 1e-30
+    for seed in range(60):
+        gens = [gen(seed * 5 + i) for i in range(5)]
+        alone = [int(sample(p[i:i + 1], gen(seed * 5 + i))[0]) for i in range(5)]
+        assert sample_each(p, gens).tolist() == alone
+    with pytest.raises(ValueError, match="generators"):
+        sample_each(p, [gen(0)])
+
+
 # --- draw_distinct ----------------------------------------------------------------------------
 
 
@@ -292,6 +308,26 @@ def test_plain_path_gives_the_per_row_paths_probabilities(t):
     rows = logits_to_probs(logits, torch.full((4,), t), torch.ones(4), torch.full((4,), -1))
     assert torch.equal(plain, rows)
     assert (plain[:, ::7] == 0).all()
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.5])  # peaked (the top entries hold the nucleus), flat (they do not)
+def test_top_p_and_top_k_from_the_largest_entries_equal_the_full_sort(scale, monkeypatch):
+    """The kept set looked for among each row's largest entries (topk) gives the very same
+    probabilities as sorting the whole row, for top-p alone, top-k alone (inside and beyond the
+    partial width), both, and rows that keep everything beside them."""
+    import fastmtp_sglang.decode.sampling as sampling
+
+    logits = torch.randn(7, 6000, generator=gen(8)) * scale
+    t = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.9, 1.0])
+    top_p = torch.tensor([0.95, 0.9, 1.0, 0.8, 1.0, 0.99, 1.0])
+    top_k = torch.tensor([-1, -1, 50, 300, 5000, 5000, -1])
+    fast = logits_to_probs(logits, t, top_p, top_k)
+    monkeypatch.setattr(sampling, "PARTIAL_TOP_K", 10**9)  # the first width only, then the sort
+    one = logits_to_probs(logits, t, top_p, top_k)
+    monkeypatch.setattr(sampling, "PARTIAL_TOP", 10**9)  # every row sorted whole
+    full = logits_to_probs(logits, t, top_p, top_k)
+    assert torch.equal(fast, full) and torch.equal(one, full)
+    assert ((fast > 0).sum(-1)[2] == 50) and ((fast > 0).sum(-1)[6] == 6000)
 
 
 def test_plain_temperature():

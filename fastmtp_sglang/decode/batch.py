@@ -18,7 +18,7 @@ import torch
 
 from fastmtp_sglang.decode.capture import Capture
 from fastmtp_sglang.decode.metrics import RequestMetrics
-from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, plain_temperature, sample, sample_rows
+from fastmtp_sglang.decode.sampling import first_argmax, logits_to_probs, plain_temperature, sample_each, sample_rows
 
 REPACK_SLACK = 64  # slots of holes a batch may carry beyond its fullest row before a repack
 
@@ -171,8 +171,7 @@ class Batch:
         if self.greedy:
             return first_argmax(logits), None
         probs = self.probs(logits.float())
-        toks = torch.cat([sample(probs[i:i + 1], g) for i, g in enumerate(self.gens)])
-        return toks, probs
+        return sample_each(probs, self.gens), probs
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's own token for each row (no draft to verify: a prompt's first token, a
@@ -305,7 +304,7 @@ def sample_draft(vocab, g: torch.Tensor, tidx: torch.Tensor, extra: torch.Tensor
     and one generator per row."""
     lg, ids = vocab.compressed_logits(g, tidx, extra)                                # [n, S] each
     probs = logits_to_probs(lg, temp, top_p, top_k)                                  # [n, S]
-    slot = torch.cat([sample(probs[i:i + 1], gen) for i, gen in enumerate(gens)])
+    slot = sample_each(probs, gens)
     toks = ids.gather(1, slot[:, None])[:, 0]
     return toks, spread_slots(probs, ids, vocab.vocab_size)
 

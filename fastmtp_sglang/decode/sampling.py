@@ -35,6 +35,7 @@ __all__ = [
     "logits_to_probs",
     "plain_temperature",
     "sample",
+    "sample_each",
     "sample_rows",
     "verify_greedy",
     "verify_sampling",
@@ -247,6 +248,10 @@ def _any(flags: torch.Tensor) -> bool:
     return flags.device.type != "cpu" or bool(flags.any())
 
 
+PARTIAL_TOP = 256    # entries a filtering row's kept set is first looked for among (_top_k_top_p)
+PARTIAL_TOP_K = 4096  # then among this many; a top-k up to this is always found there
+
+
 def _top_k_top_p(
     probs: torch.Tensor,  # [N, V] float32, rows sum to 1
     top_p: torch.Tensor,  # [N]
@@ -254,29 +259,84 @@ def _top_k_top_p(
     filters: torch.Tensor,  # [N] bool, (top_k > 0) | (top_p < 1)
 ) -> torch.Tensor:
     """Top-k, then top-p on what top-k kept, then renormalise. Rows that keep everything are
-    returned unchanged, so a row's distribution does not depend on the other rows' filters."""
+    returned unchanged, so a row's distribution does not depend on the other rows' filters.
+
+    The kept set is looked for among each row's largest entries first (``topk`` of
+    ``PARTIAL_TOP``, or of the largest top-k asked up to ``PARTIAL_TOP_K``), then among
+    ``PARTIAL_TOP_K`` of them: it lies there when the row's top-k is no larger, or when those
+    entries' mass already reaches its top-p. Only the rows left sort the whole vocabulary (3.2 ms
+    a row at 49K entries on 2 cores; ``topk`` of 256: 0.17 ms, of 4096: 0.37 ms). On the demo
+    target's own sampled text at T=1 the nucleus of top-p 0.95 lay within the top 256 at 79% of
+    positions, within 1024 at 94%; at T=0.7 at 99% / 100%. Every path gives the same kept set
+    (the same entries in the same order, the same sums)."""
     n, v = probs.shape
-    dev = probs.device
-    # One sort serves both filters. Ranks are positions in the sorted order, so top-k keeps
-    # exactly k tokens even among ties.
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(v, device=dev)
-    k = torch.where(top_k > 0, top_k, v)
-    keep_sorted = rank[None, :] < k[:, None]
-    sorted_p = sorted_p * keep_sorted
-    # Nucleus: keep token i iff the mass strictly before it is < top_p; this is the smallest
-    # prefix whose mass reaches top_p and always keeps the first token. The exclusive cumsum is
-    # built by shifting, not by subtracting, to avoid rounding; top_p == 1 skips the test so
-    # float32 rounding of a 150K-long cumsum cannot drop tail tokens.
-    cum = sorted_p.cumsum(dim=-1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-    total = cum[:, -1:]
-    in_nucleus = (before < top_p[:, None] * total) | (top_p[:, None] >= 1)
-    keep_sorted &= in_nucleus
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    total_all = probs.sum(dim=-1)                                                 # [N]
+    if probs.device.type != "cpu":  # every row sorted: picking rows would synchronise
+        rows, widths = None, []
+    else:
+        rows = None if bool(filters.all()) else filters.nonzero().squeeze(-1)   # None: every row
+        ks = top_k if rows is None else top_k[rows]
+        want = ks[(ks > 0) & (ks <= PARTIAL_TOP_K)]
+        first = max([PARTIAL_TOP] + ([int(want.max())] if want.numel() else []))
+        widths = sorted({w for w in (first, PARTIAL_TOP_K) if w < v})
+    pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731
+    keep = None
+    for w in widths:  # the largest w entries of the rows not settled yet
+        part_p, part_i = pick(probs).topk(w, dim=-1)                             # sorted, descending
+        kept, covered = _kept_prefix(part_p, pick(top_p), pick(top_k), pick(total_all))
+        found = torch.zeros(part_i.shape[0], v, dtype=torch.bool).scatter_(-1, part_i, kept & covered[:, None])
+        keep = _put(keep, found, rows, n)
+        if bool(covered.all()):
+            rows = torch.empty(0, dtype=torch.long)
+            break
+        rows = (torch.arange(n) if rows is None else rows)[~covered]
+        pick = lambda x: x[rows]  # noqa: E731
+    if rows is None or rows.numel():
+        sorted_p, order = pick(probs).sort(dim=-1, descending=True)
+        kept, _ = _kept_prefix(sorted_p, pick(top_p), pick(top_k), pick(total_all))
+        keep = _put(keep, torch.zeros_like(kept).scatter_(-1, order, kept), rows, n)
     kept = torch.where(keep, probs, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
     return torch.where(filters[:, None], kept, probs)
+
+
+def _put(keep: torch.Tensor | None, found: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``found`` [r, V], the kept entries of ``rows`` (None: all n rows), into ``keep`` [n, V]."""
+    if rows is None:
+        return found if keep is None else keep | found
+    if keep is None:
+        keep = torch.zeros(n, found.shape[1], dtype=torch.bool, device=found.device)
+    keep[rows] |= found
+    return keep
+
+
+def _kept_prefix(sorted_p: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 total_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' largest entries in descending order [r, w] (all V of them, or a prefix) ->
+    (which of them top-k then top-p keep [r, w], whether the kept set lies within them [r]).
+
+    Ranks are positions in the order, so top-k keeps exactly k tokens even among ties. Nucleus:
+    keep entry i iff the mass strictly before it is < top_p times the total, the top-k
+    survivors' mass (a row without top-k: every entry's, ``total_all``); this is the smallest
+    prefix whose mass reaches top_p and always keeps the first entry. The exclusive cumsum is
+    built by shifting, not by subtracting, to avoid rounding; top_p == 1 skips the test so float32
+    rounding of a 150K-long cumsum cannot drop tail tokens."""
+    r, w = sorted_p.shape
+    rank = torch.arange(w, device=sorted_p.device)
+    has_k = top_k > 0
+    k = torch.where(has_k, top_k, w + 1)
+    keep = rank[None, :] < k[:, None]
+    cum = (sorted_p * keep).cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    k_in = has_k & (k <= w)
+    total = torch.where(k_in, cum.gather(1, (k.clamp(max=w) - 1)[:, None])[:, 0], total_all)
+    limit = top_p * total
+    keep &= (before < limit[:, None]) | (top_p[:, None] >= 1)
+    # within: top-k inside the prefix, or (no top-k) the prefix's mass already reaches the
+    # nucleus: every later entry has at least that much before it. A top-k beyond the prefix
+    # needs the survivors' total, which the prefix does not hold
+    covered = k_in | (~has_k & (top_p < 1) & (cum[:, -1] >= limit))
+    return keep, covered
 
 
 def sample(
@@ -309,6 +369,21 @@ def sample(
     u = torch.rand(probs.shape[0], 1, device=probs.device, generator=generator)  # [N, 1] in [0, 1)
     # u * total can round up to the total itself; the float just below it still lands on the
     # last entry with mass (no cumulative sum lies strictly between the two)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, x, right=True).squeeze(-1)
+
+
+def sample_each(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """:func:`sample` for every row of ``probs`` [N, V] from its own generator (N of them, or
+    None): the same tokens as N calls of ``sample(probs[i:i + 1], generators[i])``, from one
+    running sum and one search for all rows (a call per row cost ~45 us at 49K entries)."""
+    if probs.ndim != 2 or len(generators) != probs.shape[0]:
+        raise ValueError(f"probs [N, V] with N generators, got {tuple(probs.shape)}, "
+                         f"{len(generators)} generators")
+    probs = probs.float()
+    cum = probs.cumsum(dim=-1)                                                    # [N, V]
+    total = cum[:, -1:]
+    u = torch.cat([torch.rand(1, 1, device=probs.device, generator=g) for g in generators])
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cum, x, right=True).squeeze(-1)
 
@@ -403,13 +478,13 @@ def sample_rows(
     if logits.ndim != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
         raise ValueError(f"logits [N, V] with N params and generators, got {tuple(logits.shape)}, "
                          f"{len(params)} params, {len(generators)} generators")
-    toks = first_argmax(logits)
     if all(p.is_greedy for p in params):
-        return toks
+        return first_argmax(logits)
     fast = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k <= TOPK_FAST]
     fast_set = set(fast)
     slow = [i for i, p in enumerate(params) if not p.is_greedy and i not in fast_set]
-    out = toks.tolist()
+    # (the argmax only where a row is greedy: ~25 us a row at 49K entries)
+    out = first_argmax(logits).tolist() if len(fast) + len(slow) < len(params) else [0] * len(params)
     if fast:
         ps = [params[i] for i in fast]
         kmax = min(max(p.top_k for p in ps), logits.shape[-1])
@@ -437,11 +512,16 @@ def sample_rows(
     if slow:
         ps = [params[i] for i in slow]
         dev = logits.device
-        probs = logits_to_probs(logits[slow], torch.tensor([p.temperature for p in ps], device=dev),
-                                torch.tensor([p.top_p for p in ps], device=dev),
-                                torch.tensor([p.top_k for p in ps], device=dev))
-        for j, i in enumerate(slow):
-            out[i] = int(sample(probs[j:j + 1], generators[i]))
+        rows = logits if len(slow) == len(params) else logits[slow]
+        t = plain_temperature(ps)
+        if t is not None:  # one temperature, no filter: the softmax alone (logits_to_probs)
+            probs = logits_to_probs(rows, t, 1.0, -1)
+        else:
+            probs = logits_to_probs(rows, torch.tensor([p.temperature for p in ps], device=dev),
+                                    torch.tensor([p.top_p for p in ps], device=dev),
+                                    torch.tensor([p.top_k for p in ps], device=dev))
+        for i, tok in zip(slow, sample_each(probs, [generators[i] for i in slow]).tolist()):
+            out[i] = tok
     return torch.tensor(out, dtype=torch.long, device=logits.device)
 
 
