@@ -330,6 +330,23 @@ def test_top_p_and_top_k_from_the_largest_entries_equal_the_full_sort(scale, mon
     assert ((fast > 0).sum(-1)[2] == 50) and ((fast > 0).sum(-1)[6] == 6000)
 
 
+@pytest.mark.parametrize("scale", [8.0, 2.0, 0.5])
+def test_top_p_alone_from_the_largest_entries_equals_the_full_sort(scale, monkeypatch):
+    """Every row filtering by top-p alone (the common request) takes its own short path: the
+    same probabilities as sorting the whole row (peaked rows found among the first 256 entries,
+    middling ones among 4096, flat ones sorted)."""
+    import fastmtp_sglang.decode.sampling as sampling
+
+    logits = torch.randn(5, 6000, generator=gen(9)) * scale
+    t = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.9])
+    top_p = torch.tensor([0.95, 0.9, 0.5, 0.8, 0.99])
+    fast = logits_to_probs(logits, t, top_p, torch.full((5,), -1))
+    monkeypatch.setattr(sampling, "PARTIAL_TOP", 10**9)
+    monkeypatch.setattr(sampling, "PARTIAL_TOP_K", 10**9)
+    full = logits_to_probs(logits, t, top_p, torch.full((5,), -1))
+    assert torch.equal(fast, full)
+
+
 def test_plain_temperature():
     sp = lambda **k: SamplingParams(**k)  # noqa: E731
     assert plain_temperature([sp(temperature=0.7), sp(temperature=0.7, seed=3)]) == 0.7
