@@ -315,16 +315,16 @@ def test_top_p_and_top_k_from_the_largest_entries_equal_the_full_sort(scale, mon
     """The kept set looked for among each row's largest entries (topk) gives the very same
     probabilities as sorting the whole row, for top-p alone, top-k alone (inside and beyond the
     partial width), both, and rows that keep everything beside them."""
-    import fastmtp_sglang.decode.sampling as sampling
+    import fastmtp_sglang.decode.nucleus as nucleus
 
     logits = torch.randn(7, 6000, generator=gen(8)) * scale
     t = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.9, 1.0])
     top_p = torch.tensor([0.95, 0.9, 1.0, 0.8, 1.0, 0.99, 1.0])
     top_k = torch.tensor([-1, -1, 50, 300, 5000, 5000, -1])
     fast = logits_to_probs(logits, t, top_p, top_k)
-    monkeypatch.setattr(sampling, "PARTIAL_TOP_K", 10**9)  # the first width only, then the sort
+    monkeypatch.setattr(nucleus, "PARTIAL_TOP_K", 10**9)  # the first width only, then the sort
     one = logits_to_probs(logits, t, top_p, top_k)
-    monkeypatch.setattr(sampling, "PARTIAL_TOP", 10**9)  # every row sorted whole
+    monkeypatch.setattr(nucleus, "PARTIAL_TOP", 10**9)  # every row sorted whole
     full = logits_to_probs(logits, t, top_p, top_k)
     assert torch.equal(fast, full) and torch.equal(one, full)
     assert ((fast > 0).sum(-1)[2] == 50) and ((fast > 0).sum(-1)[6] == 6000)
@@ -335,14 +335,14 @@ def test_top_p_alone_from_the_largest_entries_equals_the_full_sort(scale, monkey
     """Every row filtering by top-p alone (the common request) takes its own short path: the
     same probabilities as sorting the whole row (peaked rows found among the first 256 entries,
     middling ones among 4096, flat ones sorted)."""
-    import fastmtp_sglang.decode.sampling as sampling
+    import fastmtp_sglang.decode.nucleus as nucleus
 
     logits = torch.randn(5, 6000, generator=gen(9)) * scale
     t = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.9])
     top_p = torch.tensor([0.95, 0.9, 0.5, 0.8, 0.99])
     fast = logits_to_probs(logits, t, top_p, torch.full((5,), -1))
-    monkeypatch.setattr(sampling, "PARTIAL_TOP", 10**9)
-    monkeypatch.setattr(sampling, "PARTIAL_TOP_K", 10**9)
+    monkeypatch.setattr(nucleus, "PARTIAL_TOP", 10**9)
+    monkeypatch.setattr(nucleus, "PARTIAL_TOP_K", 10**9)
     full = logits_to_probs(logits, t, top_p, torch.full((5,), -1))
     assert torch.equal(fast, full)
 

@@ -5,7 +5,8 @@ Owns: ``engine`` (ReferenceEngine: draft, verify, accept, roll back, draft exten
 ``engine_auto`` (what auto, hybrid and prompt lookup add to the cycle), ``batch`` (Row, Batch:
 the rows run together), ``slot_cache`` (the target's KV cache written in place),
 ``lean_forward`` and ``lean_head`` (the target's and the head's forward in fewer calls),
-``sampling`` (greedy and speculative-sampling verification, logits to probabilities), ``leaves``
+``sampling`` (greedy and speculative-sampling verification, logits to probabilities),
+``nucleus`` (top-k / top-p from a row's largest entries), ``leaves``
 (more candidates beside the head's drafts, verified in the same forward), ``ngram``
 (prompt lookup), ``metrics`` (tau, A_k, a_k, accept histogram), ``costs`` (the cost curve),
 ``auto`` (AutoK: K per cycle), ``auto_setup`` (``--steps auto`` from settings to engine),
