@@ -332,7 +332,7 @@ def test_top_p_and_top_k_from_the_largest_entries_equal_the_full_sort(scale, mon
 
 @pytest.mark.parametrize("scale", [8.0, 2.0, 0.5])
 def test_top_p_alone_from_the_largest_entries_equals_the_full_sort(scale, monkeypatch):
-    """Every row filtering by top-p alone (the common request) takes its own short path: the
+    """Every row filtering by top-p alone (the common request) skips the top-k bookkeeping: the
     same probabilities as sorting the whole row (peaked rows found among the first 256 entries,
     middling ones among 4096, flat ones sorted)."""
     import fastmtp_sglang.decode.nucleus as nucleus

@@ -38,20 +38,16 @@ def top_k_top_p(
     n, v = probs.shape
     total_all = probs.sum(dim=-1)                                                 # [N]
     if probs.device.type != "cpu":  # every row sorted: picking rows would synchronise
-        rows, widths = None, []
+        rows, widths, every = None, [], False
     else:
         rows = None if bool(filters.all()) else filters.nonzero().squeeze(-1)   # None: every row
-        if rows is None and not bool((top_k > 0).any()):
-            # the common case, every row top-p alone: the same kept set in a dozen ops (the
-            # general path below spent ~200 us a call at 16K entries in its small ops)
-            keep = _nucleus_from_top(probs, top_p, total_all)
-            if keep is not None:
-                kept = torch.where(keep, probs, 0.0)
-                return kept / kept.sum(dim=-1, keepdim=True)
         ks = top_k if rows is None else top_k[rows]
-        want = ks[(ks > 0) & (ks <= PARTIAL_TOP_K)]
-        first = max([PARTIAL_TOP] + ([int(want.max())] if want.numel() else []))
+        first = PARTIAL_TOP
+        if bool((ks > 0).any()):  # a top-k up to PARTIAL_TOP_K is found within the first width
+            want = ks[(ks > 0) & (ks <= PARTIAL_TOP_K)]
+            first = max([first] + ([int(want.max())] if want.numel() else []))
         widths = sorted({w for w in (first, PARTIAL_TOP_K) if w < v})
+        every = rows is None  # every row filters: none to pass through unchanged
     pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731
     keep = None
     for w in widths:  # the largest w entries of the rows not settled yet
@@ -70,25 +66,7 @@ def top_k_top_p(
         keep = _put(keep, torch.zeros_like(kept).scatter_(-1, order, kept), rows, n)
     kept = torch.where(keep, probs, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.where(filters[:, None], kept, probs)
-
-
-def _nucleus_from_top(probs: torch.Tensor, top_p: torch.Tensor, total_all: torch.Tensor) -> torch.Tensor | None:
-    """Rows that all filter by top-p alone (no top-k): which entries the nucleus keeps [N, V],
-    found among each row's ``PARTIAL_TOP`` largest entries, then ``PARTIAL_TOP_K``; None when
-    some row's nucleus reaches past them. What :func:`_kept_prefix` gives such rows, op for op."""
-    n, v = probs.shape
-    limit = (top_p * total_all)[:, None]                                          # [N, 1]
-    for w in (PARTIAL_TOP, PARTIAL_TOP_K):
-        if w >= v:
-            return None
-        part_p, part_i = probs.topk(w, dim=-1)                                    # sorted, descending
-        cum = part_p.cumsum(dim=-1)
-        if not bool((cum[:, -1:] >= limit).all()):
-            continue
-        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-        return torch.zeros(n, v, dtype=torch.bool).scatter_(-1, part_i, before < limit)
-    return None
+    return kept if every else torch.where(filters[:, None], kept, probs)
 
 
 def _put(keep: torch.Tensor | None, found: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -113,8 +91,16 @@ def _kept_prefix(sorted_p: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tenso
     built by shifting, not by subtracting, to avoid rounding; top_p == 1 skips the test so float32
     rounding of a 150K-long cumsum cannot drop tail tokens."""
     r, w = sorted_p.shape
-    rank = torch.arange(w, device=sorted_p.device)
     has_k = top_k > 0
+    if sorted_p.device.type == "cpu" and not bool(has_k.any()):
+        # top-p alone, the usual request: what the lines below give such rows, in a few ops
+        # (their generality had cost ~90 us a call at 16K entries)
+        cum = sorted_p.cumsum(dim=-1)
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        limit = top_p * total_all
+        keep = (before < limit[:, None]) | (top_p[:, None] >= 1)
+        return keep, (top_p < 1) & (cum[:, -1] >= limit)
+    rank = torch.arange(w, device=sorted_p.device)
     k = torch.where(has_k, top_k, w + 1)
     keep = rank[None, :] < k[:, None]
     cum = (sorted_p * keep).cumsum(dim=-1)
