@@ -78,6 +78,30 @@ def test_sampled_rows_move_at_their_own_alpha():
         AutoK(FLAT, 2, sampled_alpha=0.0)
 
 
+def test_shared_estimate_is_a_mean_with_the_prior_until_alpha_weighs_more():
+    """The shared estimate's first observations are averaged with the prior (worth
+    SHARED_PRIOR_WEIGHT of them), position by position; once 1 / (weight + n) falls below
+    ``shared_alpha`` it is a moving average at ``shared_alpha``. A source seen 20 times at 0.1
+    is priced at ~0.18, not at the ~0.43 a moving average from the prior 0.5 left it at."""
+    auto = AutoK(FLAT, 2, prior=0.5, alpha=0.2, shared_alpha=0.02, calibrate=False)
+    w = AutoK.SHARED_PRIOR_WEIGHT
+    for n in range(1, 21):
+        auto.update(auto.new_estimate("lookup1"), 1, 0, "lookup1", probs=[0.1])
+        assert auto.shared["lookup1"][0] == pytest.approx((w * 0.5 + n * 0.1) / (w + n))
+    assert auto.shared["lookup1"][1] == 0.5  # position 2 not observed yet
+    assert auto.shared["lookup1"][0] < 0.19
+    # past 1 / (w + n) < shared_alpha the weight stays at shared_alpha
+    for _ in range(100):
+        auto.update(auto.new_estimate("lookup1"), 1, 0, "lookup1", probs=[0.1])
+    before = auto.shared["lookup1"][0]
+    auto.update(auto.new_estimate("lookup1"), 1, 0, "lookup1", probs=[0.9])
+    assert auto.shared["lookup1"][0] == pytest.approx(before + 0.02 * (0.9 - before))
+    # a row's own estimate keeps its alpha from the first observation
+    row = auto.new_estimate("head")
+    auto.update(row, 1, 1)
+    assert row[0] == pytest.approx(0.5 + 0.2 * 0.5)
+
+
 def test_new_requests_start_from_what_earlier_requests_measured():
     auto = AutoK(FLAT, 3, prior=0.5, alpha=0.2, shared_alpha=0.1, calibrate=False)
     for _ in range(200):  # requests whose head is never right

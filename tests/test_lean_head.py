@@ -126,18 +126,75 @@ def test_one_call_step_matches_the_calls_it_replaces(layout, B):
         a, b = fused(x, tok, zero, first[0]), calls(x, tok, zero, first[1])
         assert torch.equal(a, b) and torch.equal(first[0].k, first[1].k) and torch.equal(first[0].v, first[1].v)
         caches = [head.new_cache(B, 64), head.new_cache(B, 64)]
-        hid = torch.randn(B, 9, 64, generator=g).to(torch.bfloat16)
-        ids = torch.randint(0, 50, (B, 9), generator=g)
+        n = LeanHead.ONE_CALL_POSITIONS + 2
+        hid = torch.randn(B, n, 64, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 50, (B, n), generator=g)
         for c in caches:
-            fused(hid, ids, off + torch.arange(9), c)  # (a prefill: the calls' path for both)
+            fused(hid, ids, off + torch.arange(n), c)  # (a prefill: the calls' path for both)
         x = torch.randn(B, 1, 64, generator=g).to(torch.bfloat16)
-        tok, pos = torch.randint(0, 50, (B, 1), generator=g), off + 9
+        tok, pos = torch.randint(0, 50, (B, 1), generator=g), off + n
         a = fused(x, tok, pos, caches[0])
         assert fused._step is not None and fused._step[1] is not None  # the one call ran
         b = calls(x, tok, pos, caches[1])
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
         for buf in ("k", "v"):  # the new key and value (before attention): bit for bit
             torch.testing.assert_close(getattr(caches[0], buf), getattr(caches[1], buf), rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["split", "deepseek"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_one_call_extend_matches_the_calls_it_replaces(layout, B):
+    """A draft extend (several positions a row) in one call of the kernel against LeanHead's own
+    calls: the same keys and values written bit for bit, the outputs within bf16 rounding; with
+    the engine's shapes: a row that accepted fewer drafts repeats its last position (the same
+    input again), and a catch-up's positions run on across parts."""
+    t, head = _world(layout)
+    pack_for_inference(t.model, head, "on")
+    fused, calls = LeanHead(head), LeanHead(head)
+    calls._one_call = lambda tiles: None
+    g = torch.Generator().manual_seed(B + 20)
+    off = torch.arange(B)[:, None] * 3
+    n = LeanHead.ONE_CALL_POSITIONS + 4
+    with torch.inference_mode():
+        caches = [head.new_cache(B, 64), head.new_cache(B, 64)]
+        hid = torch.randn(B, n, 64, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 50, (B, n), generator=g)
+        for c in caches:
+            fused(hid, ids, off + torch.arange(n), c)  # a prefill (the calls, for both)
+        for S in (3, 2, 5):
+            x = torch.randn(B, S, 64, generator=g).to(torch.bfloat16)
+            tok = torch.randint(0, 50, (B, S), generator=g)
+            pos = off + n + torch.arange(S)
+            if B > 1:  # row 1 accepted one draft fewer: its last position, input and token again
+                x[1, -1], tok[1, -1], pos[1, -1] = x[1, -2], tok[1, -2], pos[1, -2]
+            fused._step = None
+            a = fused(x, tok, pos, caches[0])
+            assert fused._step is not None and fused._step[1] is not None  # the one call ran
+            b = calls(x, tok, pos, caches[1])
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+            for buf in ("k", "v"):
+                torch.testing.assert_close(getattr(caches[0], buf), getattr(caches[1], buf), rtol=0, atol=0)
+            n += S
+
+
+@needs_kernels
+def test_one_call_extend_leaves_long_reads_to_the_calls():
+    """Past ``ONE_CALL_POSITIONS`` positions a row (a prompt) the calls run: their attention is
+    batched, the kernel's per query."""
+    t, head = _world("deepseek")
+    pack_for_inference(t.model, head, "on")
+    lean = LeanHead(head)
+    used = []
+    lean._one_call = lambda tiles: used.append(tiles) or None
+    n = LeanHead.ONE_CALL_POSITIONS
+    with torch.inference_mode():
+        lean(torch.randn(1, n + 1, 64).to(torch.bfloat16), torch.zeros(1, n + 1, dtype=torch.long),
+             torch.arange(n + 1)[None], head.new_cache(1, 64))
+        assert not used
+        lean(torch.randn(1, n, 64).to(torch.bfloat16), torch.zeros(1, n, dtype=torch.long),
+             torch.arange(n)[None], head.new_cache(1, 64))
+        assert used
 
 
 @needs_kernels

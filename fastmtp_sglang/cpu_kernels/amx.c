@@ -205,8 +205,10 @@ void fastmtp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int N, int I) {
    2 query heads, 3 key/value heads, 4 head_dim, 5 intermediate size, 6 the embedding's rows (a
    token id outside them, or a negative position, returns -2 before anything is written). eps: enorm, hnorm, ln1,
    ln2, final. Every product's input width must be a multiple of 32 (LeanHead checks).
-   Row j: token ids[j], input hidden[j] [H], position pos[j]; its cache rows kc/vc + j*cs_b, key
-   head h at + h*cs_h, position t at + t*D; rotary rows cos/sin [>pos, D]. out [N, H]. */
+   Row j: token ids[j], input hidden[j] [H], position pos[j]; S rows per batch row (1: a draft
+   step; more: a draft extend, rows b*S .. b*S+S-1 of batch row b, every key written before any
+   row attends; S not dividing N returns -3); its cache rows kc/vc + (j/S)*cs_b, key head h at + h*cs_h, position t at + t*D;
+   rotary rows cos/sin [>pos, D]. out [N, H]. */
 
 __attribute__((target("avx512f")))
 static void attend_one(const uint16_t *q, const uint16_t *kb, const uint16_t *vb, int n, int D,
@@ -242,7 +244,7 @@ static void attend_one(const uint16_t *q, const uint16_t *kb, const uint16_t *vb
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *eps,
                            const int64_t *ids, const uint16_t *hidden, const int64_t *pos, int N,
-                           uint16_t *kc, uint16_t *vc, long cs_b, long cs_h,
+                           int S, uint16_t *kc, uint16_t *vc, long cs_b, long cs_h,
                            const uint16_t *cos, const uint16_t *sin, uint16_t *out, int threads) {
     const int H = (int)dims[0], layout = (int)dims[1], nh = (int)dims[2], nkv = (int)dims[3];
     const int D = (int)dims[4], I = (int)dims[5], G = nh / nkv;
@@ -250,16 +252,21 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
     const float *nobias = 0;
     #define W16(i) ((const uint16_t *)w[i])
     #define BIAS(i) (w[i] ? (const float *)w[i] : nobias)
+    /* S inputs per batch row: input j is batch row j / S (its cache row). Every input's key
+       and value are written before any input attends (keys [0, pos[j]]), as the module writes
+       them all and then masks by position */
     long maxn = 0;
+    if (S < 1 || N % S || threads < 1 || threads > 256) return -3;
     for (int j = 0; j < N; j++) {
         if (ids[j] < 0 || ids[j] >= dims[6] || pos[j] < 0) return -2;  /* nothing written */
         maxn = pos[j] + 1 > maxn ? pos[j] + 1 : maxn;
     }
+    const long scn = (maxn + 15) & ~15L;  /* one thread's scores, 64-byte multiples */
     /* scratch: en|hn (cat) [N, 2H], x [N, H], t [N, H], f1 [N, H], qkv [N, QKV], att [N, nh D],
        o [N, H], gu [N, 2I], su [N, I], en and hn apart [N, H] each (layout 0), one row's inputs
-       [2H], scores [maxn] */
+       [2H], scores [scn] per thread */
     size_t need = (size_t)N * (2 * H + 4 * H + QKV + nh * D + 3 * I + 2 * H) * 2 + (size_t)2 * H * 2
-                  + (size_t)maxn * 4 + 64;
+                  + (size_t)threads * scn * 4 + 64;
     char *mem = malloc(need);
     if (!mem) return -1;
     uint16_t *cat = (uint16_t *)mem, *x = cat + (size_t)N * 2 * H, *t = x + (size_t)N * H;
@@ -292,18 +299,21 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
     for (int j = 0; j < N; j++) {
         uint16_t *p = qkv + (size_t)j * QKV;
         fastmtp_rope_bf16(p, cos + (size_t)pos[j] * D, sin + (size_t)pos[j] * D, 1, nh + nkv, D, QKV);
+        const size_t cb = (size_t)(j / S) * cs_b;
         for (int h = 0; h < nkv; h++) {
-            uint16_t *kd = kc + (size_t)j * cs_b + (size_t)h * cs_h + (size_t)pos[j] * D;
-            uint16_t *vd = vc + (size_t)j * cs_b + (size_t)h * cs_h + (size_t)pos[j] * D;
-            memcpy(kd, p + (size_t)(nh + h) * D, (size_t)D * 2);
-            memcpy(vd, p + (size_t)(nh + nkv + h) * D, (size_t)D * 2);
+            memcpy(kc + cb + (size_t)h * cs_h + (size_t)pos[j] * D, p + (size_t)(nh + h) * D, (size_t)D * 2);
+            memcpy(vc + cb + (size_t)h * cs_h + (size_t)pos[j] * D, p + (size_t)(nh + nkv + h) * D,
+                   (size_t)D * 2);
         }
-        for (int hq = 0; hq < nh; hq++) {
-            const int h = hq / G;
-            attend_one(p + (size_t)hq * D, kc + (size_t)j * cs_b + (size_t)h * cs_h,
-                       vc + (size_t)j * cs_b + (size_t)h * cs_h, (int)pos[j] + 1, D, scale, sc,
-                       att + (size_t)j * nh * D + (size_t)hq * D);
-        }
+    }
+    /* one query head of one input per task; a draft step of one row stays on this thread */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
+    for (int x = 0; x < N * nh; x++) {
+        const int j = x / nh, hq = x % nh, h = hq / G;
+        const size_t cb = (size_t)(j / S) * cs_b;
+        attend_one(qkv + (size_t)j * QKV + (size_t)hq * D, kc + cb + (size_t)h * cs_h,
+                   vc + cb + (size_t)h * cs_h, (int)pos[j] + 1, D, scale,
+                   sc + (size_t)omp_get_thread_num() * scn, att + (size_t)j * nh * D + (size_t)hq * D);
     }
     fastmtp_linear_bf16_amx(att, W16(10), BIAS(11), o, N, H, nh * D, threads);
     fastmtp_add_rms_bf16(x, o, W16(12), t, N, H, eps[3]);

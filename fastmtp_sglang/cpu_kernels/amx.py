@@ -59,7 +59,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.fastmtp_linear_argmax_bf16_amx.restype = ctypes.c_int
     lib.fastmtp_linear_argmax_bf16_amx.argtypes = [P, P, I, I, I, P, I]
     lib.fastmtp_head_step_bf16.restype = ctypes.c_int
-    lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, P, P, ctypes.c_long, ctypes.c_long,
+    lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, I, P, P, ctypes.c_long, ctypes.c_long,
                                            P, P, P, I]
     lib.fastmtp_amx_init.restype = ctypes.c_int
     if lib.fastmtp_amx_init() != 0:
@@ -241,19 +241,24 @@ class HeadStep:
         self.H = dims[0]
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """ids, pos [N] int64; hidden [N, H] bf16; k, v the cache buffers [R >= N, n_kv, cap,
-        D] (row j of the batch is row j; keys written at pos); cos, sin [> max(pos), D] bf16.
-        All contiguous. Returns the head's output after its final norm [N, H]."""
+                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+        """ids, pos [N] int64; hidden [N, H] bf16; k, v the cache buffers [R >= N / per_row,
+        n_kv, cap, D]; cos, sin [> max(pos), D] bf16. All contiguous. ``per_row``: positions
+        per batch row (1: a draft step; more: a draft extend): inputs b * per_row .. (b + 1) *
+        per_row - 1 are batch row b's (every key written at its pos before any input attends
+        keys 0..pos). Returns the head's output after its final norm [N, H]."""
         N = ids.shape[0]
         out = torch.empty(N, self.H, dtype=torch.bfloat16)
         rc = _once.state["lib"].fastmtp_head_step_bf16(
             self._w, self._dims, self._eps, ids.data_ptr(), hidden.data_ptr(), pos.data_ptr(), N,
-            k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(), sin.data_ptr(),
-            out.data_ptr(), torch.get_num_threads())
+            per_row, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(),
+            sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"a token id outside the embedding's {self._dims[6]} rows, or a "
                              "negative position, reached the head step")
+        if rc == -3:
+            raise ValueError(f"the head step's {N} inputs are not a whole number of rows of "
+                             f"{per_row}, or {torch.get_num_threads()} threads are outside 1..256")
         if rc:
             raise MemoryError("the head step could not allocate its scratch memory")
         return out

@@ -223,6 +223,10 @@ class AutoK:
 
     LEAF_PRIOR = 0.25   # a leaf taken where the chain's draft was rejected (measured 0.28-0.37)
     LEAF_ALPHA = 0.05
+    # the prior counts as this many observations in the shared estimate: a shared position's
+    # first observations are averaged with it (weight 1 / (SHARED_PRIOR_WEIGHT + n)), and only
+    # once that weight falls to ``shared_alpha`` does it become a moving average (update)
+    SHARED_PRIOR_WEIGHT = 4
 
     CALIB_WINDOW = 15  # cycles per (K, batch class) whose median ratio calibrates the curve
 
@@ -250,6 +254,7 @@ class AutoK:
         # every request's observations, slowly, per draft source ("head", or "lookup<n>" for a
         # prompt-lookup proposal whose suffix matched n tokens)
         self.shared: dict[str, list[float]] = {}
+        self._shared_n: dict[str, list[int]] = {}  # observations per source and position
         self._seen: dict[str, int] = {}  # drafting cycles observed per source (room())
         # measured / modelled cycle time, per (K, batch-size class): the costs were measured on
         # bare calls; a serving loop adds its own (attention over slot holes and the longest
@@ -282,7 +287,9 @@ class AutoK:
             self._seen[source] = self._seen.get(source, 0) + 1
         if self.shared_alpha:
             shared = self.shared.setdefault(source, [self.prior] * self.kmax)
-            self._observe(shared, k, accepted, self.shared_alpha, probs, first, shift)
+            counts = self._shared_n.setdefault(source, [0] * self.kmax)
+            self._observe(shared, k, accepted, self.shared_alpha, probs, first, shift,
+                          counts, self.SHARED_PRIOR_WEIGHT)
 
     def observe_leaf(self, j: int, taken: bool) -> None:
         """A head row's chain draft at position j (0-based) was rejected where leaves stood
@@ -315,7 +322,8 @@ class AutoK:
 
     @staticmethod
     def _observe(est: list[float], k: int, accepted: int, alpha: float,
-                 probs: list[float] | None = None, first: int = 0, shift: int = 0) -> None:
+                 probs: list[float] | None = None, first: int = 0, shift: int = 0,
+                 counts: list[int] | None = None, prior_weight: int = 0) -> None:
         """One cycle of a row: ``k`` drafts were verified, the first ``accepted`` accepted.
 
         Each verified position up to the first rejection is observed: with ``probs`` (a sampled
@@ -328,10 +336,22 @@ class AutoK:
         A chain accepted whole says nothing about the next position; its estimate is raised to
         the deepest observed one (a head's conditional acceptances are of one size across steps:
         docs/design.md section 6.7), so a row that only ever drafted at K=1 can grow its chain
-        instead of staying at its prior."""
+        instead of staying at its prior.
+
+        ``counts`` (the shared estimate's observations per position, counted here): position
+        j's n-th observation weighs ``max(alpha, 1 / (prior_weight + n))``, so the shared
+        estimate is the mean of its first observations and the prior (worth ``prior_weight``
+        of them), then a moving average. Why: at the shared alpha 0.02 a source seen a hundred
+        times still carried 13% of the prior 0.5, and at T=1 prompt lookup's one-token matches
+        were priced at 0.28 where they realised 0.16 (docs/design.md section 6.7, "The shared
+        estimate starts as a mean")."""
         for j in range(first, min(k, accepted + 1)):
             hit = probs[j] if probs is not None else (1.0 if j < accepted else 0.0)
-            est[j - shift] += alpha * (hit - est[j - shift])
+            a = alpha
+            if counts is not None:  # an average with the prior until alpha weighs more
+                counts[j - shift] += 1
+                a = max(alpha, 1.0 / (prior_weight + counts[j - shift]))
+            est[j - shift] += a * (hit - est[j - shift])
         if shift < k == accepted and k - shift < len(est):
             est[k - shift] = max(est[k - shift], est[k - shift - 1])
 

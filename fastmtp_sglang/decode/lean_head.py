@@ -11,7 +11,9 @@ A draft step (one new token per row) goes further: the whole step is one call of
 (``amx.HeadStep``: the same functions and roundings, attention over the row's cached keys in
 fp32), 0.96 -> 0.53 ms for the shipped head's block right after a target step on the AMX Xeon,
 where its ~37 calls had paid a few microseconds of dispatch each (docs/design.md section 6.9).
-Prefills and draft extends (several tokens per row) keep the calls.
+So does a draft extend or a short catch-up (up to ``ONE_CALL_POSITIONS`` positions a row;
+every key is written before any position attends, as the calls do): 0.60 -> 0.37 ms over 3
+positions at one row, 0.99 -> 0.69 ms at four rows (hot, AMX Xeon). Prefills keep the calls.
 
 It covers heads without aux layers whose products all run on tiles (bf16, packed, widths a
 multiple of 32); :meth:`LeanHead.__call__` returns None otherwise, and the engine calls the
@@ -35,6 +37,10 @@ class LeanHead:
     """``lean(hidden, ids, positions, cache)`` -> the head's output hidden [B, S, H] after its
     final norm (``FastMTPHead.forward(..., return_logits=False)[0]``), or None where it does not
     apply (the caller then runs the module)."""
+
+    # positions per row up to which a call runs as one kernel call (draft steps, draft extends
+    # and short catch-ups); longer ones (prompts) keep the calls, whose attention is batched
+    ONE_CALL_POSITIONS = 16
 
     def __init__(self, head):
         self.head = head
@@ -103,8 +109,9 @@ class LeanHead:
         lin, ck = amx.linear_rows, amx
         B, S = ids.shape
         N = B * S
-        step = self._one_call(tiles) if S == 1 and cache._k.dtype == torch.bfloat16 else None
-        if step is not None:  # a draft step: one call
+        step = (self._one_call(tiles) if S <= self.ONE_CALL_POSITIONS and cache._k.dtype == torch.bfloat16
+                else None)
+        if step is not None:  # a draft step or a short extend: one call
             need = int(positions.max()) + 1
             tab = hd._rope_table
             if tab is None or tab[0].shape[0] < need or tab[0].dtype != torch.bfloat16:
@@ -113,7 +120,7 @@ class LeanHead:
             if tab is not None and tab[0].shape[0] >= need and tab[0].dtype == torch.bfloat16:
                 cache.reserve(need)
                 out = step(ids.reshape(N).contiguous(), hidden.reshape(N, H).contiguous(),
-                           positions.reshape(N).contiguous(), cache._k, cache._v, tab[0], tab[1])
+                           positions.reshape(N).contiguous(), cache._k, cache._v, tab[0], tab[1], S)
                 return out.view(B, S, H)
         nh, nkv, D = hd.cfg.num_attention_heads, hd.cfg.num_key_value_heads, hd.cfg.head_dim
         e = hd.embed_tokens(ids).to(torch.bfloat16).reshape(N, H).contiguous()
