@@ -137,6 +137,62 @@ def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monk
             assert (model.lm_head(ha).argmax(-1) == model.lm_head(hb).argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.skipif(not amx.available(), reason=f"cpu kernels: {amx.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_verify_attention_on_tiles_within_rounding(kind, monkeypatch):
+    """Verifies of several tokens a row (a chain, then a chain with leaves under a tree mask) at
+    a head size the tiles take (32): the attention runs on tiles in every layer, within bf16
+    rounding of transformers, and of the same forward with the verify's attention left to
+    PyTorch (``TILE_ATTENTION`` off)."""
+    from fastmtp_sglang.decode import leaves
+    torch.manual_seed(12)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**kw)))
+    model = model.eval().to(torch.bfloat16)
+    use_gqa_sdpa(model)
+    pack_for_inference(model, None, "on")
+    calls = {"n": 0}
+    real = amx.multi_query_attention
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(amx, "multi_query_attention", counted)
+    ids, mask, steps = _batches()
+    with torch.inference_mode():
+        a, _ = _run(_hf(model), ids, mask, steps, ())
+        b, _ = _run(_lean(model), ids, mask, steps, ())
+        L = len(model.model.layers)
+        assert calls["n"] == 3 * L  # the prefill of 9 (rows with holes), the steps of 4 and 2 tokens
+        off = LeanForward(model)
+        off.TILE_ATTENTION = False
+        c, _ = _run(lambda i, p, m, ca, k: off(i, p, m, ca, keep=k), ids, mask, steps, ())
+        assert calls["n"] == 3 * L
+        for (ha, _), (hb, _), (hc, _) in zip(a, b, c):
+            torch.testing.assert_close(hb.float(), ha.float(), rtol=3e-2, atol=3e-2)
+            torch.testing.assert_close(hb.float(), hc.float(), rtol=3e-2, atol=3e-2)
+            assert (model.lm_head(ha).argmax(-1) == model.lm_head(hb).argmax(-1)).float().mean() > 0.9
+        # a verify with leaves: K=2, width 3 (7 tokens a row under the tree mask)
+        K, W = 2, 3
+        tree = leaves.tree_mask(K, W)
+        n = tree.shape[0]
+        for fwd in (LeanForward(model), off):
+            cache = SlotCache()
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            fwd(ids, pos, mask, cache)
+            new = torch.randint(0, VOCAB, (3, n), generator=torch.Generator().manual_seed(3))
+            p = pos[:, -1:] + leaves.positions(torch.zeros(3, dtype=torch.long), K, W)[:, :] + 1
+            m2 = torch.cat([mask, torch.ones(3, n, dtype=torch.long)], 1)
+            out = fwd(new, p, m2, cache, tree=tree)[0]
+            if fwd is off:
+                torch.testing.assert_close(out.float(), first.float(), rtol=3e-2, atol=3e-2)
+            else:
+                first = out
+        assert calls["n"] == 5 * L
+
+
 def test_engine_tokens_equal_with_and_without_the_lean_forward():
     """fp32, a head that gets drafts accepted (live attention): the same tokens and the same
     acceptance per cycle through transformers' forward and the lean one."""

@@ -384,3 +384,143 @@ int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, 
     }
     return 0;
 }
+
+/* ---------- attention of a verify's few new tokens per row, on tiles ----------
+   The pending token, its drafts and their leaves: S queries a row, each with its own row of the
+   mask over the T slots (its tree). PyTorch's CPU attention took ~45-60 us a layer for the 7
+   queries of a K=2 + leaves verify at one row (3 key/value heads of 3 query heads, ~400 slots),
+   most of it the products.
+
+   Per row b and key/value head h, the G * S queries sharing h (query head h*G + g at token s:
+   query i = g * S + s) go in chunks of at most 16 (the A tile's rows). 1. Scores: 16 slots at a
+   time, each B tile built from the keys by a gather of each pair of bf16 dims over the 16 slots
+   (the VNNI layout TDPBF16PS reads), one tile product per 32 dims, the C tile stored as the
+   chunk's 16 scores. 2. Per query over its whole row: scale, mask, softmax in fp32 (no
+   rescaling: the row is at hand), the weights rounded to bf16 (as PyTorch's CPU flash attention
+   does before its second product), their sum kept in fp32. 3. Values: per 16 dims, the weights
+   of 32 slots (A) against those slots' values interleaved in pairs (B), accumulated in the C
+   tile over all slots, then divided by the sum and rounded to bf16 once.
+
+   q: bf16, strides qs_b, qs_h, qs_s (elements) for row, query head, token; the last dimension
+   contiguous. k, v: [B, H, T, D] views, strides ks_* / vs_* for row, head, slot, the last
+   dimension contiguous. valid: [B, S, T] bytes (nonzero = token s sees slot t). out:
+   [B, S, H * G, D] contiguous bf16. D a multiple of 32, at most 256; 16 * ks_t * 2 below 2^31.
+   A token that sees no slot gets zeros. Returns -1 without scratch memory, -3 for shapes it does
+   not take (nothing written), else 0. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+int fastmtp_multi_attn_amx(const uint16_t *q, long qs_b, long qs_h, long qs_s,
+                           const uint16_t *k, const uint16_t *v, const uint8_t *valid,
+                           uint16_t *out, int B, int H, int G, int S, int T, int D,
+                           long ks_b, long ks_h, long ks_t, long vs_b, long vs_h, long vs_t,
+                           float scale, int threads) {
+    if (D % 32 || D > 256 || threads < 1 || threads > 256 || T < 1 || S < 1 || G < 1) return -3;
+    const int Q = G * S, NH = H * G, KT = D / 32;
+    const int nch = (Q + 15) / 16, per = (Q + nch - 1) / nch;
+    const long T32 = ((long)T + 31) & ~31L;
+    const size_t each = (size_t)16 * T32 * 4 + (size_t)16 * T32 * 2;  /* scores, weights */
+    char *mem = aligned_alloc(64, (size_t)threads * each + 64);
+    if (!mem) return -1;
+    const __m512i slots = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)(ks_t * 2)));
+    const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *sc = (float *)(mem + (size_t)omp_get_thread_num() * each);
+        uint16_t *pb = (uint16_t *)(sc + (size_t)16 * T32);
+        uint16_t qa[16 * 256] __attribute__((aligned(64)));
+        uint32_t bt[16 * 16] __attribute__((aligned(64)));
+        float ct[16 * 16] __attribute__((aligned(64)));
+        float l[16];
+        int hq[16], tok[16], cur = 0;
+        const uint8_t *ok[16];
+        #pragma omp for schedule(static)
+        for (int task = 0; task < B * H * nch; task++) {
+            const int b = task / (H * nch), h = (task / nch) % H, i0 = (task % nch) * per;
+            const int nq = Q - i0 < per ? Q - i0 : per;
+            if (!cur) { amx_config(16); cur = 16; }  /* 16 rows whatever nq: one configuration */
+            memset(qa + (size_t)nq * D, 0, (size_t)(16 - nq) * D * 2);
+            for (int i = 0; i < nq; i++) {
+                const int qi = i0 + i, g = qi / S, s = qi % S;
+                hq[i] = h * G + g;
+                tok[i] = s;
+                memcpy(qa + (size_t)i * D, q + b * qs_b + hq[i] * qs_h + s * qs_s, (size_t)D * 2);
+                ok[i] = valid + ((size_t)b * S + s) * T;
+            }
+            const uint16_t *kb = k + b * ks_b + h * ks_h, *vb = v + b * vs_b + h * vs_h;
+            /* 1. scores [nq][T32] (0 past T: masked below) */
+            for (long t0 = 0; t0 < T32; t0 += 16) {
+                const long n = T - t0 < 0 ? 0 : (T - t0 < 16 ? T - t0 : 16);
+                _tile_zero(0);
+                if (n > 0) {
+                    const __mmask16 in = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+                    const char *base = (const char *)(kb + t0 * ks_t);
+                    for (int kk = 0; kk < KT; kk++) {
+                        for (int dp = 0; dp < 16; dp++)
+                            _mm512_store_si512((void *)(bt + dp * 16),
+                                               _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, slots,
+                                                                           base + (size_t)(32 * kk + 2 * dp) * 2, 1));
+                        _tile_loadd(1, qa + 32 * kk, D * 2);
+                        _tile_loadd(2, bt, 64);
+                        _tile_dpbf16ps(0, 1, 2);
+                    }
+                }
+                _tile_stored(0, sc + t0, T32 * 4);
+            }
+            /* 2. each query's softmax over its row; weights to bf16 */
+            for (int i = 0; i < nq; i++) {
+                float *r = sc + (size_t)i * T32;
+                __m512 mx = ninf;
+                for (long t = 0; t < T32; t += 16) {
+                    __mmask16 bits = 0;
+                    if (t + 16 <= T) {
+                        __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ok[i] + t)));
+                        bits = _mm512_test_epi32_mask(x, x);
+                    } else {
+                        for (long j = t; j < T; j++) bits |= (__mmask16)((ok[i][j] != 0) << (j - t));
+                    }
+                    __m512 x = _mm512_mask_mul_ps(ninf, bits, _mm512_load_ps(r + t), _mm512_set1_ps(scale));
+                    _mm512_store_ps(r + t, x);
+                    mx = _mm512_max_ps(mx, x);
+                }
+                const float m = _mm512_reduce_max_ps(mx);
+                __m512 sum = _mm512_setzero_ps();
+                const __m512 mv = _mm512_set1_ps(m == -INFINITY ? 0.f : m);
+                for (long t = 0; t < T32; t += 16) {
+                    __m512 x = _mm512_load_ps(r + t);
+                    __mmask16 fin = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+                    __m512 e = _mm512_maskz_mov_ps(fin, exp16(_mm512_sub_ps(x, mv)));
+                    sum = _mm512_add_ps(sum, e);
+                    _mm256_store_si256((__m256i *)(pb + (size_t)i * T32 + t), (__m256i)_mm512_cvtneps_pbh(e));
+                }
+                l[i] = _mm512_reduce_add_ps(sum);
+            }
+            /* 3. values: 16 dims at a time, 32 slots a tile product */
+            for (int c = 0; c < D / 16; c++) {
+                _tile_zero(0);
+                for (long t0 = 0; t0 < T32; t0 += 32) {
+                    for (int kp = 0; kp < 16; kp++) {
+                        const long a = t0 + 2 * kp;
+                        __m256i va = a < T ? _mm256_loadu_si256((const __m256i *)(vb + a * vs_t + 16 * c)) : _mm256_setzero_si256();
+                        __m256i vn = a + 1 < T ? _mm256_loadu_si256((const __m256i *)(vb + (a + 1) * vs_t + 16 * c)) : _mm256_setzero_si256();
+                        _mm512_store_si512((void *)(bt + kp * 16),
+                                           _mm512_permutex2var_epi16(_mm512_castsi256_si512(va), pairs, _mm512_castsi256_si512(vn)));
+                    }
+                    _tile_loadd(1, pb + t0, T32 * 2);
+                    _tile_loadd(2, bt, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, ct, 64);
+                for (int i = 0; i < nq; i++) {
+                    const float inv = l[i] > 0.f ? 1.0f / l[i] : 0.f;
+                    __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ct + i * 16), _mm512_set1_ps(inv)));
+                    _mm256_storeu_si256((__m256i *)(out + (((size_t)b * S + tok[i]) * NH + hq[i]) * D + 16 * c), (__m256i)o);
+                }
+            }
+        }
+        if (cur) _tile_release();
+    }
+    free(mem);
+    return 0;
+}

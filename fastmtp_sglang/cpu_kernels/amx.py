@@ -61,6 +61,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.fastmtp_head_step_bf16.restype = ctypes.c_int
     lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, I, P, P, ctypes.c_long, ctypes.c_long,
                                            P, P, P, I]
+    L = ctypes.c_long
+    lib.fastmtp_multi_attn_amx.restype = ctypes.c_int
+    lib.fastmtp_multi_attn_amx.argtypes = [P, L, L, L, P, P, P, P, I, I, I, I, I, I, L, L, L, L, L, L,
+                                           ctypes.c_float, I]
     lib.fastmtp_amx_init.restype = ctypes.c_int
     if lib.fastmtp_amx_init() != 0:
         return None, "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
@@ -271,3 +275,48 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
     library().fastmtp_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), N, I2 // 2)
     return out
+
+
+MULTI_MAX_S = 32  # new tokens per row up to which a verify's attention runs on tiles (multi_query_attention)
+
+
+def fits_multi(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`multi_query_attention` takes these shapes: bf16, 2 to ``MULTI_MAX_S``
+    tokens per row, head size a multiple of 32 up to 256, query heads a multiple of the
+    key/value heads, last dimensions contiguous."""
+    B, nh, S, D = q.shape
+    return (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and 1 < S <= MULTI_MAX_S
+            and D % 32 == 0 and D <= 256 and nh % k.shape[1] == 0 and k.stride(-1) == 1
+            and q.stride(-1) == 1 and 32 * k.stride(2) < 2 ** 31)
+
+
+def multi_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """softmax(scale q k^T) v for a verify's few new tokens per row, each seeing the slots its
+    row of ``valid`` marks, on AMX tiles (``fastmtp_multi_attn_amx``: fp32 scores and softmax,
+    the weights rounded to bf16 before the product with the values, as PyTorch's CPU flash
+    attention does).
+
+    q [B, n_heads, S, D] bf16, last dimension contiguous (a view of the q/k/v product is fine);
+    k, v [B, n_kv, T, D] bf16, last dimension contiguous; valid [B, S, T] bool. Returns
+    [B, n_heads, S, D] bf16, a view of a [B, S, n_heads, D] buffer (so ``.transpose(1, 2)`` is
+    contiguous). A token that sees no slot gets zeros."""
+    B, nh, S, D = q.shape
+    nkv, T = k.shape[1], k.shape[2]
+    if not fits_multi(q, k) or v.shape != k.shape or v.stride(-1) != 1 or v.dtype != k.dtype:
+        raise ValueError(f"multi_query_attention takes bf16 q [B, H, S, D] with 1 < S <= {MULTI_MAX_S}, "
+                         f"D % 32 == 0, D <= 256 and k, v [B, n_kv, T, D]; got q {tuple(q.shape)} "
+                         f"{q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if valid.shape != (B, S, T) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be bool [B, S, T] = [{B}, {S}, {T}], got {tuple(valid.shape)} {valid.dtype}")
+    valid = valid.contiguous()
+    out = torch.empty(B, S, nh, D, dtype=torch.bfloat16)
+    rc = _once.state["lib"].fastmtp_multi_attn_amx(
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), valid.data_ptr(), out.data_ptr(),
+        B, nkv, nh // nkv, S, T, D, *k.stride()[:3], *v.stride()[:3], float(scale),
+        torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("the multi-query attention kernel could not allocate its scratch memory")
+    if rc:
+        raise ValueError(f"the multi-query attention kernel does not take q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out.transpose(1, 2)

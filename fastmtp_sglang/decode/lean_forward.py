@@ -213,6 +213,11 @@ class LeanForward:
                                 float(a.scaling)))
         self._tileset = TileSet([pr for layer in self.layers for pr in (layer[1], layer[2], layer[4], layer[5])])
 
+    # a bf16 verify's attention (2 to amx.MULTI_MAX_S tokens a row) on AMX tiles
+    # (amx.multi_query_attention); False: PyTorch's attention with the folded mask, as before
+    # (probes compare the two; a cycle's verify ~1.2-1.5 ms faster on tiles, docs/design.md 6.9)
+    TILE_ATTENTION = True
+
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
                  keep: tuple[int, ...] = (), tree: torch.Tensor | None = None) -> tuple[torch.Tensor, dict | None]:
         B, S = ids.shape
@@ -234,14 +239,17 @@ class LeanForward:
             kv = torch.arange(T, device=ids.device)
             qi = torch.arange(T - S, T, device=ids.device)
             amask = (kv[None, :] <= qi[:, None])[None, None] & mask.bool()[:, None, None, :]
-        if S > 1 and amask is not None:  # the layers share it: fold it for grouped_attention once
-            amask = fold_mask(amask, nh, nkv, x.dtype)
         L = len(self.layers)
-        if x.dtype == torch.bfloat16 and amx.available() and runs_packed(self.layers[0][2].members[0], x):
-            tiles = self._tiles()
-            if tiles is not None:
-                return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
-                                          cache, B, S, keep, tiles)
+        tiles = (self._tiles() if x.dtype == torch.bfloat16 and amx.available()
+                 and runs_packed(self.layers[0][2].members[0], x) else None)
+        if S > 1 and amask is not None:
+            if tiles is not None and self.TILE_ATTENTION and S <= amx.MULTI_MAX_S and D % 32 == 0 and D <= 256:
+                amask = amask.view(B, S, T).contiguous()  # per token: the tiles' attention (_bf16_kernels)
+            else:  # the layers share it: fold it for grouped_attention once
+                amask = fold_mask(amask, nh, nkv, x.dtype)
+        if tiles is not None:
+            return self._bf16_kernels(x.contiguous(), cos.reshape(N, D), sin.reshape(N, D), amask,
+                                      cache, B, S, keep, tiles)
         hs = ({0: x.view(B, S, -1)} if 0 in keep else {}) if keep else None
         qk = (nh + nkv) * D
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, scale) in enumerate(self.layers):
@@ -284,6 +292,7 @@ class LeanForward:
         for t, name in ((cos, "cos"), (sin, "sin"), (self.inner.norm.weight, "norm")):
             amx.check_rows(t, name)
         lin, add_rms, rope = amx.linear_rows, amx.add_rms_rows, amx.rope_rows
+        multi = amask is not None and amask.dim() == 3
         for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
             (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
             p = lin(h, wqkv, bqkv)
@@ -292,7 +301,11 @@ class LeanForward:
             k = p[:, nh * D: qk].view(B, S, nkv, D).transpose(1, 2)
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            a = _attend(q, k, v, amask, scale, S)
+            if multi:  # (a bool mask per token, [B, S, T]: LeanForward.__call__ chose the tiles)
+                a = (amx.multi_query_attention(q, k, v, amask, scale) if amx.fits_multi(q, k)
+                     else grouped_attention(q, k, v, amask[:, None], scale))
+            else:
+                a = _attend(q, k, v, amask, scale, S)
             o = lin(a.transpose(1, 2).reshape(N, nh * D).contiguous(), wo, bo)
             add_rms(x, o, ln2.weight, ln2.variance_epsilon, h)
             d = lin(amx.silu_mul_rows(lin(h, wgu, bgu)), wd, bd)
