@@ -309,9 +309,12 @@ def multi_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, val
                          f"{q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if valid.shape != (B, S, T) or valid.dtype != torch.bool:
         raise ValueError(f"valid must be bool [B, S, T] = [{B}, {S}, {T}], got {tuple(valid.shape)} {valid.dtype}")
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the AMX kernels are unavailable: {unavailable_reason()}")
     valid = valid.contiguous()
     out = torch.empty(B, S, nh, D, dtype=torch.bfloat16)
-    rc = _once.state["lib"].fastmtp_multi_attn_amx(
+    rc = lib.fastmtp_multi_attn_amx(
         q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), valid.data_ptr(), out.data_ptr(),
         B, nkv, nh // nkv, S, T, D, *k.stride()[:3], *v.stride()[:3], float(scale),
         torch.get_num_threads())
