@@ -110,6 +110,18 @@ def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
             assert top > 0.9
 
 
+def _counted(monkeypatch, module, name: str) -> dict:
+    """``module.name`` replaced by itself counting its calls: {"n": calls so far}."""
+    calls, real = {"n": 0}, getattr(module, name)
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.skipif(not decode_attention.available(), reason=f"cpu attention: {decode_attention.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monkeypatch):
@@ -117,14 +129,7 @@ def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monk
     steps keep PyTorch's): within bf16 rounding of transformers, the same argmax, and the
     kernel really ran."""
     monkeypatch.setitem(amx._state, "lib", None)
-    calls = {"n": 0}
-    real = decode_attention.decode_attention
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+    calls = _counted(monkeypatch, decode_attention, "decode_attention")
     model = _model(kind, torch.bfloat16)
     ids, mask, steps = _batches()
     with torch.inference_mode():
@@ -152,14 +157,7 @@ def test_bf16_verify_attention_on_tiles_within_rounding(kind, monkeypatch):
     model = model.eval().to(torch.bfloat16)
     use_gqa_sdpa(model)
     pack_for_inference(model, None, "on")
-    calls = {"n": 0}
-    real = amx.multi_query_attention
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(amx, "multi_query_attention", counted)
+    calls = _counted(monkeypatch, amx, "multi_query_attention_rows")
     ids, mask, steps = _batches()
     with torch.inference_mode():
         a, _ = _run(_hf(model), ids, mask, steps, ())

@@ -104,6 +104,15 @@ def test_engine_output_unchanged_in_fp32():
     assert [r.output_ids for r in on.generate(reqs())] == [r.output_ids for r in off.generate(reqs())]
 
 
+def _fused_and_calls(layout: str):
+    """(target, packed head, a LeanHead that takes the one kernel call, one held to its calls)."""
+    t, head = _world(layout)
+    pack_for_inference(t.model, head, "on")
+    fused, calls = LeanHead(head), LeanHead(head)
+    calls._one_call = lambda tiles: None
+    return t, head, fused, calls
+
+
 @needs_kernels
 @pytest.mark.parametrize("layout", ["split", "mimo", "deepseek"])
 @pytest.mark.parametrize("B", [1, 3])
@@ -113,10 +122,7 @@ def test_one_call_step_matches_the_calls_it_replaces(layout, B):
     the order of the sums); after a prefill the same key and value written and the output
     within bf16 rounding (attention's fp32 sums run in another order than PyTorch's, and a
     last-bit difference there travels through the rest of the block)."""
-    t, head = _world(layout)
-    pack_for_inference(t.model, head, "on")
-    fused, calls = LeanHead(head), LeanHead(head)
-    calls._one_call = lambda tiles: None
+    t, head, fused, calls = _fused_and_calls(layout)
     g = torch.Generator().manual_seed(B + 10)
     off = torch.arange(B)[:, None] * 3
     with torch.inference_mode():
@@ -149,10 +155,7 @@ def test_one_call_extend_matches_the_calls_it_replaces(layout, B):
     calls: the same keys and values written bit for bit, the outputs within bf16 rounding; with
     the engine's shapes: a row that accepted fewer drafts repeats its last position (the same
     input again), and a catch-up's positions run on across parts."""
-    t, head = _world(layout)
-    pack_for_inference(t.model, head, "on")
-    fused, calls = LeanHead(head), LeanHead(head)
-    calls._one_call = lambda tiles: None
+    t, head, fused, calls = _fused_and_calls(layout)
     g = torch.Generator().manual_seed(B + 20)
     off = torch.arange(B)[:, None] * 3
     n = LeanHead.ONE_CALL_POSITIONS + 4

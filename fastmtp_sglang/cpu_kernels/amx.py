@@ -280,14 +280,20 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 MULTI_MAX_S = 32  # new tokens per row up to which a verify's attention runs on tiles (multi_query_attention)
 
 
+def takes_multi(tokens: int, head_dim: int) -> bool:
+    """Whether :func:`multi_query_attention` takes ``tokens`` new tokens a row at this head
+    size: 2 to ``MULTI_MAX_S`` tokens, head size a multiple of 32 up to 256 (what a forward can
+    decide before it has the tensors, :func:`fits_multi`)."""
+    return 1 < tokens <= MULTI_MAX_S and head_dim % 32 == 0 and head_dim <= 256
+
+
 def fits_multi(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether :func:`multi_query_attention` takes these shapes: bf16, 2 to ``MULTI_MAX_S``
-    tokens per row, head size a multiple of 32 up to 256, query heads a multiple of the
-    key/value heads, last dimensions contiguous."""
+    """Whether :func:`multi_query_attention` takes these tensors: bf16, :func:`takes_multi`'s
+    shapes, query heads a multiple of the key/value heads, last dimensions contiguous."""
     B, nh, S, D = q.shape
-    return (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and 1 < S <= MULTI_MAX_S
-            and D % 32 == 0 and D <= 256 and nh % k.shape[1] == 0 and k.stride(-1) == 1
-            and q.stride(-1) == 1 and 32 * k.stride(2) < 2 ** 31)
+    return (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and takes_multi(S, D)
+            and nh % k.shape[1] == 0 and k.stride(-1) == 1 and q.stride(-1) == 1
+            and 32 * k.stride(2) < 2 ** 31)
 
 
 def multi_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -309,12 +315,19 @@ def multi_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, val
                          f"{q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if valid.shape != (B, S, T) or valid.dtype != torch.bool:
         raise ValueError(f"valid must be bool [B, S, T] = [{B}, {S}, {T}], got {tuple(valid.shape)} {valid.dtype}")
-    lib = library()
-    if lib is None:
+    if library() is None:
         raise RuntimeError(f"the AMX kernels are unavailable: {unavailable_reason()}")
-    valid = valid.contiguous()
+    return multi_query_attention_rows(q, k, v, valid.contiguous(), scale)
+
+
+def multi_query_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """:func:`multi_query_attention` without the checks (the verify's hot path: a call a layer
+    with the shapes of the forward's first, which was checked; ``valid`` contiguous)."""
+    B, nh, S, D = q.shape
+    nkv, T = k.shape[1], k.shape[2]
     out = torch.empty(B, S, nh, D, dtype=torch.bfloat16)
-    rc = lib.fastmtp_multi_attn_amx(
+    rc = _once.state["lib"].fastmtp_multi_attn_amx(
         q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), valid.data_ptr(), out.data_ptr(),
         B, nkv, nh // nkv, S, T, D, *k.stride()[:3], *v.stride()[:3], float(scale),
         torch.get_num_threads())

@@ -243,7 +243,7 @@ class LeanForward:
         tiles = (self._tiles() if x.dtype == torch.bfloat16 and amx.available()
                  and runs_packed(self.layers[0][2].members[0], x) else None)
         if S > 1 and amask is not None:
-            if tiles is not None and self.TILE_ATTENTION and S <= amx.MULTI_MAX_S and D % 32 == 0 and D <= 256:
+            if tiles is not None and self.TILE_ATTENTION and amx.takes_multi(S, D):
                 amask = amask.view(B, S, T).contiguous()  # per token: the tiles' attention (_bf16_kernels)
             else:  # the layers share it: fold it for grouped_attention once
                 amask = fold_mask(amask, nh, nkv, x.dtype)
@@ -292,7 +292,7 @@ class LeanForward:
         for t, name in ((cos, "cos"), (sin, "sin"), (self.inner.norm.weight, "norm")):
             amx.check_rows(t, name)
         lin, add_rms, rope = amx.linear_rows, amx.add_rms_rows, amx.rope_rows
-        multi = amask is not None and amask.dim() == 3
+        multi, tiles_fit = amask is not None and amask.dim() == 3, None
         for i, (_, _, _, ln2, _, _, scale) in enumerate(self.layers):
             (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = tiles[i]
             p = lin(h, wqkv, bqkv)
@@ -302,7 +302,9 @@ class LeanForward:
             v = p[:, qk:].view(B, S, nkv, D).transpose(1, 2)
             k, v = cache.update(k, v, i)
             if multi:  # (a bool mask per token, [B, S, T]: LeanForward.__call__ chose the tiles)
-                a = (amx.multi_query_attention(q, k, v, amask, scale) if amx.fits_multi(q, k)
+                if tiles_fit is None:  # checked once: every layer's q, k, v have the first one's layout
+                    tiles_fit = amx.fits_multi(q, k)
+                a = (amx.multi_query_attention_rows(q, k, v, amask, scale) if tiles_fit
                      else grouped_attention(q, k, v, amask[:, None], scale))
             else:
                 a = _attend(q, k, v, amask, scale, S)

@@ -12,8 +12,9 @@ A draft step (one new token per row) goes further: the whole step is one call of
 fp32), 0.96 -> 0.53 ms for the shipped head's block right after a target step on the AMX Xeon,
 where its ~37 calls had paid a few microseconds of dispatch each (docs/design.md section 6.9).
 So does a draft extend or a short catch-up (up to ``ONE_CALL_POSITIONS`` positions a row;
-every key is written before any position attends, as the calls do): 0.60 -> 0.29 ms over 3
-positions at one row, 0.99 -> 0.48 ms at four rows (hot, AMX Xeon). Prefills keep the calls.
+every key is written before any position attends, as the calls do): 0.52 -> 0.27 ms over 3
+positions at one row, 0.84 -> 0.45 ms at four rows (hot, AMX Xeon;
+bench/probes/head_extend_probe.py). Prefills keep the calls.
 
 It covers heads without aux layers whose products all run on tiles (bf16, packed, widths a
 multiple of 32); :meth:`LeanHead.__call__` returns None otherwise, and the engine calls the
