@@ -40,18 +40,26 @@ def test_linear_matches_float64_within_rounding(N, K, M):
 
 @needs_kernels
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads():
+    """From two rows a row's result is the same whatever the other rows are; a row alone takes the
+    vector path (its own sums, at most a bf16 step from the tiles'); neither depends on the
+    thread count."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(200, 96, generator=g).to(bf)
     x = torch.randn(37, 96, generator=g).to(bf)
     p = ck.pack(w)
     full = ck.linear(x, p)
     for m in (0, 15, 16, 36):
-        assert torch.equal(ck.linear(x[m:m + 1], p), full[m:m + 1])
+        other = (m + 7) % 37
+        assert torch.equal(ck.linear(x[[m, other]], p), full[[m, other]])
     assert torch.equal(ck.linear(x[3:20], p), full[3:20])
+    alone = torch.cat([ck.linear(x[m:m + 1], p) for m in range(37)])
+    step = full.float().abs() * 2.0 ** -7 + 1e-30
+    assert bool(((alone.float() - full.float()).abs() <= step).all())
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(ck.linear(x, p), full)
+        assert torch.equal(torch.cat([ck.linear(x[m:m + 1], p) for m in range(37)]), alone)
     finally:
         torch.set_num_threads(threads)
 

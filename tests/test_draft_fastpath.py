@@ -4,9 +4,12 @@ rotary table, and the compressed-vocabulary argmax."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from fastmtp_sglang.cpu_kernels import amx
 from fastmtp_sglang.kernels.compressed_head import compressed_head_torch
 from fastmtp_sglang.vocab.draft_vocab import DraftVocab
 from test_engine import random_head, tiny_target
@@ -84,3 +87,32 @@ def test_batch_one_greedy_equals_the_kernel_reference():
         ref, _, _ = compressed_head_torch(h, vocab.weight, vocab.tables.tables, vocab.tables.lens,
                                           idx, None, table_weight=vocab.table_weight)
         assert torch.equal(fast, ref), trial
+
+
+@pytest.mark.skipif(not amx.available(), reason=f"cpu kernels: {amx.unavailable_reason()}")
+def test_batch_one_greedy_on_tiles_keeps_following_the_table_weight():
+    """bf16 on AMX: from a table's second step on, the pick skips the checks and goes straight to
+    the tiles kept for it; it still equals the first maximum of the table's bf16 products, for
+    each table, and an in-place change of the table weight (or new storage) is seen at once."""
+    t = tiny_target("llama", seed=12)
+    vocab = make_vocab(t, [list(range(0, 97, 2)), list(range(5, 90))], ["en", "zh"])
+    vocab = dataclasses.replace(vocab, weight=vocab.weight.to(torch.bfloat16),
+                                table_weight=vocab.table_weight.to(torch.bfloat16))
+    g = torch.Generator().manual_seed(13)
+
+    def want(h, i):
+        n = int(vocab.tables.lens[i])
+        w = amx.pack(vocab.table_weight[i, :n].contiguous())
+        return vocab.tables.tables[i, :n][amx.linear(h, w).max(-1).indices]
+
+    with torch.inference_mode():
+        for trial in range(24):
+            if trial == 12:   # in place: the same storage, a new version
+                vocab.table_weight[:, :3] *= -1
+            if trial == 18:   # new storage
+                vocab.table_weight = vocab.table_weight.flip(1).contiguous()
+            h = torch.randn(1, t.lm_head.weight.shape[1], generator=g).to(torch.bfloat16)
+            i = trial % 2
+            got = vocab.greedy(h, torch.tensor([i]), None)
+            assert torch.equal(got, want(h, i)), trial
+    assert set(vocab._tiled) == {0, 1}

@@ -232,6 +232,14 @@ def test_one_call_step_follows_a_norm_moved_to_new_storage():
     with torch.inference_mode():
         after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
     assert torch.equal(after, ref) and not torch.equal(after, before)
+    # a norm replaced by another parameter (the old one kept alive elsewhere, so its storage
+    # stays valid and only the watch on the module's weight can tell)
+    old = head.hnorm.weight
+    head.hnorm.weight = torch.nn.Parameter(old.detach() * 3, requires_grad=False)
+    with torch.inference_mode():
+        again, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    assert torch.equal(again, ref) and not torch.equal(again, after)
+    assert old.data_ptr() != head.hnorm.weight.data_ptr()
 
 
 @needs_kernels

@@ -50,9 +50,73 @@ int fastmtp_amx_init(void) {
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
 }
 
+/* ---------- one row: AVX-512 dot products over the same tiles ----------
+   At one row a tile product uses 1/16 of the A tile, and the tile loads read memory slower than
+   vector loads do: the demo head's 16,384-row table took 1.04-1.09 ms right after a target step
+   on tiles against 0.79-0.82 ms as below, the target's 121 products 11.8 against 11.0 ms (AMX
+   Xeon, 2 threads; from two rows the tiles win: 10.9 against 11.5 ms). A tile's row k is pair k
+   of the inputs for its 16 columns, VDPBF16PS's layout: each column's sum is one chain over the
+   pairs in order (fp32), four blocks of columns at a time to hide the chain's latency. The
+   sums round differently from the tiles' (rarely the last bit of a bf16 output), so a row alone
+   is computed apart from the rows of a larger call; a one-row result is the same at any thread
+   count, and the argmax below at one row picks from exactly these sums. */
+
+#define ROW_BLOCKS 4
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static inline void row_blocks(const uint16_t *x, const uint16_t *wb, int g, int Kp, __m512 *acc) {
+    /* acc[q] = the fp32 sums of block q (0 <= q < g <= ROW_BLOCKS) starting at wb */
+    const size_t bs = (size_t)Kp * 32;
+    for (int q = 0; q < ROW_BLOCKS; q++) acc[q] = _mm512_setzero_ps();
+    if (g == ROW_BLOCKS) {
+        for (int r = 0; r < Kp; r++) {
+            uint32_t pr;
+            memcpy(&pr, x + 2 * r, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pr);
+            const uint16_t *wr = wb + (size_t)r * 32;
+            acc[0] = _mm512_dpbf16_ps(acc[0], xb, (__m512bh)_mm512_loadu_si512(wr));
+            acc[1] = _mm512_dpbf16_ps(acc[1], xb, (__m512bh)_mm512_loadu_si512(wr + bs));
+            acc[2] = _mm512_dpbf16_ps(acc[2], xb, (__m512bh)_mm512_loadu_si512(wr + 2 * bs));
+            acc[3] = _mm512_dpbf16_ps(acc[3], xb, (__m512bh)_mm512_loadu_si512(wr + 3 * bs));
+        }
+        return;
+    }
+    for (int q = 0; q < g; q++)
+        for (int r = 0; r < Kp; r++) {
+            uint32_t pr;
+            memcpy(&pr, x + 2 * r, 4);
+            acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_set1_epi32((int)pr),
+                                      (__m512bh)_mm512_loadu_si512(wb + q * bs + (size_t)r * 32));
+        }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void linear_row(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+                       int N, int K, int threads) {
+    const int nb = (N + 15) / 16, Kp = K / 2;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
+        __m512 acc[ROW_BLOCKS];
+        for (int j = lo; j < hi; j += ROW_BLOCKS) {
+            const int g = hi - j < ROW_BLOCKS ? hi - j : ROW_BLOCKS;
+            row_blocks(x, w + (size_t)j * Kp * 32, g, Kp, acc);
+            for (int q = 0; q < g; q++) {
+                const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
+                const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+                const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + jj * 16) : _mm512_setzero_ps();
+                __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[q], b));
+                _mm256_mask_storeu_epi16((void *)(y + jj * 16), mask, (__m256i)o);
+            }
+        }
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 void fastmtp_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
                              int M, int N, int K, int threads) {
+    if (M == 1) { linear_row(x, w, bias, y, N, K, threads); return; }
     int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
     #pragma omp parallel num_threads(threads)
     {
@@ -331,7 +395,8 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
    What a greedy draft step needs from its vocabulary table: argmax_n bf16(x[m] . W[n]) for M <= 16
    rows, the first index on ties (as torch.max / argmax), a NaN output winning (as torch.max).
    The same tiles, sums and rounding as fastmtp_linear_bf16_amx; each thread keeps the best of
-   its contiguous share of blocks, and the shares are compared in order. */
+   its contiguous share of blocks, and the shares are compared in order. map: NULL, or [N] ids
+   written in place of the indices (a vocabulary table's token ids: one tensor op fewer a step). */
 
 static inline int better(float v, int64_t i, float bv, int64_t bi) {
     if (isnan(v)) return !isnan(bv) || i < bi;
@@ -339,27 +404,57 @@ static inline int better(float v, int64_t i, float bv, int64_t bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+/* each thread's best of its contiguous share of blocks: bestv/besti [thread][row] */
+typedef struct { float v[256][16]; int64_t i[256][16]; int used; } shares;
+
+static inline void keep(float v, int64_t i, float *bv, int64_t *bi) {
+    if (better(v, i, *bv, *bi)) { *bv = v; *bi = i; }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void argmax_row(const uint16_t *x, const uint16_t *w, int N, int K, int threads, shares *sh) {
+    /* one row: linear_row's sums */
+    const int nb = (N + 15) / 16, Kp = K / 2;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (me == 0) sh->used = nt;
+        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
+        float tmp[16] __attribute__((aligned(64)));
+        __m512 acc[ROW_BLOCKS];
+        float bv = -INFINITY;
+        int64_t bi = -1;
+        for (int j = lo; j < hi; j += ROW_BLOCKS) {
+            const int g = hi - j < ROW_BLOCKS ? hi - j : ROW_BLOCKS;
+            row_blocks(x, w + (size_t)j * Kp * 32, g, Kp, acc);
+            for (int q = 0; q < g; q++) {
+                _mm512_store_ps(tmp, acc[q]);
+                const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
+                for (int c = 0; c < ncols; c++) keep(bf2f(f2bf(tmp[c])), (int64_t)jj * 16 + c, &bv, &bi);
+            }
+        }
+        sh->v[me][0] = bv;
+        sh->i[me][0] = bi;
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
-int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, int N, int K,
-                                   int64_t *out, int threads) {
-    if (M < 1 || M > 16 || threads < 1 || threads > 256) return -1;
-    int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
-    float bestv[256][16];
-    int64_t besti[256][16];
-    int used = threads;
+static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int K, int threads,
+                         shares *sh) {
+    const int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
     #pragma omp parallel num_threads(threads)
     {
         float tmp[16 * 16] __attribute__((aligned(64)));
-        int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (me == 0) used = nt;
-        float *bv = bestv[me];
-        int64_t *bi = besti[me];
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (me == 0) sh->used = nt;
+        float *bv = sh->v[me];
+        int64_t *bi = sh->i[me];
         for (int m = 0; m < M; m++) { bv[m] = -INFINITY; bi[m] = -1; }
-        int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
+        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
         if (lo < hi) amx_config(M);
         for (int j = lo; j < hi; j++) {
             const uint16_t *wb = w + (size_t)j * Kp * 32;
-            int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
+            const int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
             _tile_zero(0);
             for (int t = 0; t < kt; t++) {
                 _tile_loadd(1, x + t * 32, K * 2);
@@ -368,19 +463,25 @@ int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, 
             }
             _tile_stored(0, tmp, 64);
             for (int m = 0; m < M; m++)
-                for (int c = 0; c < ncols; c++) {
-                    float v = bf2f(f2bf(tmp[m * 16 + c]));
-                    if (better(v, (int64_t)j * 16 + c, bv[m], bi[m])) { bv[m] = v; bi[m] = (int64_t)j * 16 + c; }
-                }
+                for (int c = 0; c < ncols; c++) keep(bf2f(f2bf(tmp[m * 16 + c])), (int64_t)j * 16 + c, bv + m, bi + m);
         }
         if (lo < hi) _tile_release();
     }
+}
+
+int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, int N, int K,
+                                   int64_t *out, int threads, const int64_t *map) {
+    if (M < 1 || M > 16 || threads < 1 || threads > 256) return -1;
+    shares sh;  /* 49 KB, as the two arrays it holds were */
+    sh.used = threads;
+    if (M == 1) argmax_row(x, w, N, K, threads, &sh);
+    else argmax_tiles(x, w, M, N, K, threads, &sh);
     for (int m = 0; m < M; m++) {
         float v = -INFINITY;
         int64_t i = -1;
-        for (int th = 0; th < used; th++)
-            if (besti[th][m] >= 0 && (i < 0 || better(bestv[th][m], besti[th][m], v, i))) { v = bestv[th][m]; i = besti[th][m]; }
-        out[m] = i;
+        for (int th = 0; th < sh.used; th++)
+            if (sh.i[th][m] >= 0 && (i < 0 || better(sh.v[th][m], sh.i[th][m], v, i))) { v = sh.v[th][m]; i = sh.i[th][m]; }
+        out[m] = map && i >= 0 ? map[i] : i;
     }
     return 0;
 }

@@ -57,7 +57,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
     lib.fastmtp_linear_argmax_bf16_amx.restype = ctypes.c_int
-    lib.fastmtp_linear_argmax_bf16_amx.argtypes = [P, P, I, I, I, P, I]
+    lib.fastmtp_linear_argmax_bf16_amx.argtypes = [P, P, I, I, I, P, I, P]
     lib.fastmtp_head_step_bf16.restype = ctypes.c_int
     lib.fastmtp_head_step_bf16.argtypes = [P, P, P, P, P, P, I, I, P, P, ctypes.c_long, ctypes.c_long,
                                            P, P, P, I]
@@ -168,8 +168,18 @@ def linear_argmax(x: torch.Tensor, p: Packed) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if lib.fastmtp_linear_argmax_bf16_amx(x.data_ptr(), p.data.data_ptr(), x.shape[0], p.n, p.k,
-                                          out.data_ptr(), torch.get_num_threads()):
+                                          out.data_ptr(), torch.get_num_threads(), None):
         raise ValueError("linear_argmax: rows or threads out of range")
+    return out
+
+
+def linear_argmax_rows(x: torch.Tensor, p: Packed, ids: torch.Tensor) -> torch.Tensor:
+    """``ids[linear_argmax(x, p)]`` for a contiguous bf16 ``x`` [M, p.k] (1 <= M <= 16, p.k a
+    multiple of 32) and contiguous int64 ``ids`` [>= p.n], without the checks: a greedy draft
+    step's hot path (its table's token ids looked up in the call); callers guarantee them."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _once.state["lib"].fastmtp_linear_argmax_bf16_amx(x.data_ptr(), p.data.data_ptr(), x.shape[0], p.n, p.k,
+                                                      out.data_ptr(), torch.get_num_threads(), ids.data_ptr())
     return out
 
 
@@ -245,14 +255,16 @@ class HeadStep:
         self.H = dims[0]
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_row: int = 1) -> torch.Tensor:
-        """ids, pos [N] int64; hidden [N, H] bf16; k, v the cache buffers [R >= N / per_row,
-        n_kv, cap, D]; cos, sin [> max(pos), D] bf16. All contiguous. ``per_row``: positions
-        per batch row (1: a draft step; more: a draft extend): inputs b * per_row .. (b + 1) *
-        per_row - 1 are batch row b's (every key written at its pos before any input attends
-        keys 0..pos). Returns the head's output after its final norm [N, H]."""
-        N = ids.shape[0]
-        out = torch.empty(N, self.H, dtype=torch.bfloat16)
+                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_row: int = 1,
+                 shape: tuple | None = None) -> torch.Tensor:
+        """ids, pos [N] int64 (or any shape of N elements: [B, S]); hidden [N, H] bf16 (or [B, S,
+        H]); k, v the cache buffers [R >= N / per_row, n_kv, cap, D]; cos, sin [> max(pos), D]
+        bf16. All contiguous. ``per_row``: positions per batch row (1: a draft step; more: a
+        draft extend): inputs b * per_row .. (b + 1) * per_row - 1 are batch row b's (every key
+        written at its pos before any input attends keys 0..pos). Returns the head's output
+        after its final norm, [N, H] or ``shape``."""
+        N = ids.numel()
+        out = torch.empty(shape or (N, self.H), dtype=torch.bfloat16)
         rc = _once.state["lib"].fastmtp_head_step_bf16(
             self._w, self._dims, self._eps, ids.data_ptr(), hidden.data_ptr(), pos.data_ptr(), N,
             per_row, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(),

@@ -72,7 +72,9 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def _version(w: torch.Tensor) -> tuple[int, int]:
+def weight_stamp(w: torch.Tensor) -> tuple[int, int]:
+    """(version counter, address) of ``w``: another value once ``w`` is changed in place or given
+    new storage (what a prepared copy of it is checked against)."""
     try:
         v = w._version
     except RuntimeError:  # an inference tensor has no version counter (and cannot be changed in place)
@@ -99,7 +101,7 @@ def _apply(x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor
 
 def _cached(store: dict, key, w: torch.Tensor) -> torch.Tensor:
     """``w`` prepared, from ``store[key]`` while ``w`` is unchanged (version and storage)."""
-    state, ver = store.get(key), _version(w)
+    state, ver = store.get(key), weight_stamp(w)
     if state is None or state[0] != ver:
         state = store[key] = (ver, _prepare(w))
     return state[1]
@@ -155,7 +157,7 @@ class _Fused:
 
     def weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prepared concatenated weight and bias (remade if a member's weight changed)."""
-        key = tuple(_version(m.weight) for m in self.members)
+        key = tuple(weight_stamp(m.weight) for m in self.members)
         if self.prepared is None or self.prepared[0] != key:
             with torch.no_grad():
                 b = (torch.cat([m.bias.detach() for m in self.members])

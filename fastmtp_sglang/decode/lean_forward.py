@@ -157,10 +157,13 @@ class TileSet:
     """The AMX tiles of a list of :class:`_Proj`, resolved once and re-resolved only when a
     member's weight changed in place (version counter) or was replaced (another tensor): the
     check runs on every forward, so it reads the tensors directly (~0.2 us each) rather than
-    through the modules."""
+    through the modules. ``watch``: other modules whose ``weight`` is checked the same way (a
+    caller that reads them by address rebuilds what it made when :meth:`get` returns a new
+    list)."""
 
-    def __init__(self, projs: list[_Proj]):
+    def __init__(self, projs: list[_Proj], watch: list[torch.nn.Module] = ()):
         self.projs = projs
+        self.watch = list(watch)   # other modules whose ``weight`` the caller reads beside the tiles
         self._seen: list | None = None    # [(the module's parameter dict, the weight tensor)]
         self._key = None
         self._tiles: list | None = None
@@ -180,7 +183,8 @@ class TileSet:
         if key is None or key != self._key:
             tiles = [p.tiles() for p in self.projs]
             self._tiles = None if any(t is None for t in tiles) else tiles
-            self._seen = [(m._parameters, m._parameters["weight"]) for p in self.projs for m in p.members]
+            mods = [m for p in self.projs for m in p.members] + self.watch
+            self._seen = [(m._parameters, m._parameters["weight"]) for m in mods]
             self._key = self._stamp()
         return self._tiles
 

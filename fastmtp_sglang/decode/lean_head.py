@@ -34,6 +34,10 @@ from fastmtp_sglang.cpu_kernels.packed_linear import runs_packed
 from fastmtp_sglang.decode.lean_forward import TileSet, _Proj
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 class LeanHead:
     """``lean(hidden, ids, positions, cache)`` -> the head's output hidden [B, S, H] after its
     final norm (``FastMTPHead.forward(..., return_logits=False)[0]``), or None where it does not
@@ -57,22 +61,29 @@ class LeanHead:
             fuse = [_Proj([head.e_proj]), _Proj([head.h_proj])]
         self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
                              _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
-        self._tileset = TileSet(self.projs)
-        self._step: tuple | None = None   # (tiles, amx.HeadStep or None, the other inputs' addresses)
+        layer = head.layer
+        # what the one-call step reads by address beside the tiles: the norms and the embedding
+        self._read = [head.enorm, head.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
+                      head.final_norm, head.embed_tokens]
+        self._tileset = TileSet(self.projs, watch=self._read)
+        self._step: tuple | None = None   # (tiles, amx.HeadStep or None, addresses, their tensors)
+        self.H = cfg.hidden_size
+        self._packed_probe = self.projs[-1].members[0]
 
     def _one_call(self, tiles: list) -> amx.HeadStep | None:
         """The whole step in one call of the kernel (:class:`amx.HeadStep`), for these tiles;
         None where its inputs are not all bf16 or its shapes do not fit it."""
+        # the kernel reads the norms and the embedding by address: the tile set watches those
+        # modules' weights (replaced or changed in place: a new tiles list), and a weight moved
+        # to new storage (``.to()``, ``.data =``) changes its address here; either rebuilds the
+        # step, never leaves it reading the old one. (Checked every call: ~1 us.)
+        s = self._step
+        if s is not None and s[0] is tiles and s[2] == tuple(t.data_ptr() for t in s[3]):
+            return s[1]
         hd, cfg = self.head, self.head.cfg
         layer = hd.layer
-        norms = [hd.enorm.weight, hd.hnorm.weight, layer.input_layernorm.weight,
-                 layer.post_attention_layernorm.weight, hd.final_norm.weight]
-        emb = hd.embed_tokens.weight
-        # the kernel reads these by address: a parameter moved to new storage (``.to()``, a
-        # load that replaces it) must rebuild the step, never leave it reading the old one
-        where = tuple((t.data_ptr(), t.dtype) for t in norms + [emb])
-        if self._step is not None and self._step[0] is tiles and self._step[2] == where:
-            return self._step[1]
+        norms = [m.weight for m in self._read[:5]]
+        emb = self._read[5].weight
         nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         step = None
         if (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in norms + [emb])
@@ -87,7 +98,8 @@ class LeanHead:
             eps = (hd.enorm.eps, hd.hnorm.eps, layer.input_layernorm.eps,
                    layer.post_attention_layernorm.eps, hd.final_norm.eps)
             step = amx.HeadStep(weights, (cfg.hidden_size, layout, nh, nkv, D, wd.k, emb.shape[0]), eps)
-        self._step = (tiles, step, where)
+        read = norms + [emb]
+        self._step = (tiles, step, tuple(t.data_ptr() for t in read), read)
         return step
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -99,10 +111,11 @@ class LeanHead:
         return out
 
     def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache):
-        hd = self.head
-        H = hd.cfg.hidden_size
+        # (every operation here runs once per draft step, in ~1 ms right after a target step
+        # has swept the caches, where each costs several microseconds: kept few)
+        hd, H = self.head, self.H
         if (not self.ok or cache is None or torch.is_grad_enabled() or hidden.shape[-1] != H
-                or hidden.dtype != torch.bfloat16 or not runs_packed(self.projs[-1].members[0], hidden)):
+                or hidden.dtype != torch.bfloat16 or not runs_packed(self._packed_probe, hidden)):
             return None
         tiles = self._tileset.get()
         if tiles is None:
@@ -113,16 +126,16 @@ class LeanHead:
         step = (self._one_call(tiles) if S <= self.ONE_CALL_POSITIONS and cache._k.dtype == torch.bfloat16
                 else None)
         if step is not None:  # a draft step or a short extend: one call
-            need = int(positions.max()) + 1
+            need = (int(positions) if N == 1 else int(positions.max())) + 1
             tab = hd._rope_table
             if tab is None or tab[0].shape[0] < need or tab[0].dtype != torch.bfloat16:
                 hd._cos_sin(hidden[:1, :1], positions)  # (grows the table to cover need)
                 tab = hd._rope_table
             if tab is not None and tab[0].shape[0] >= need and tab[0].dtype == torch.bfloat16:
                 cache.reserve(need)
-                out = step(ids.reshape(N).contiguous(), hidden.reshape(N, H).contiguous(),
-                           positions.reshape(N).contiguous(), cache._k, cache._v, tab[0], tab[1], S)
-                return out.view(B, S, H)
+                # (the kernel reads [B, S] as [N] and [B, S, H] as [N, H]: no reshapes)
+                return step(_dense(ids), _dense(hidden), _dense(positions), cache._k, cache._v,
+                            tab[0], tab[1], S, (B, S, H))
         nh, nkv, D = hd.cfg.num_attention_heads, hd.cfg.num_key_value_heads, hd.cfg.head_dim
         e = hd.embed_tokens(ids).to(torch.bfloat16).reshape(N, H).contiguous()
         h = hidden.reshape(N, H).contiguous()

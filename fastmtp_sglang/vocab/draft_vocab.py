@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastmtp_sglang.cpu_kernels.packed_linear import prepared_argmax, prepared_linear
+from fastmtp_sglang.cpu_kernels import amx
+from fastmtp_sglang.cpu_kernels.packed_linear import prepared_argmax, prepared_linear, weight_stamp
 from fastmtp_sglang.kernels.compressed_head import compressed_head, scatter_to_full, slot_ids
 from fastmtp_sglang.vocab.language import token_script_classes
 from fastmtp_sglang.vocab.tables import TableSet
@@ -33,6 +34,8 @@ class DraftVocab:
     extra: str = "none"
     max_extra: int = 2048
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)  # table -> oneDNN layout
+    # table -> (the table weight's version, its AMX tiles, its ids): a greedy step's fast path
+    _tiled: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, tables: TableSet, lm_head: torch.nn.Module, tokenizer, extra: str = "none") -> "DraftVocab":
@@ -61,12 +64,23 @@ class DraftVocab:
             # one row on CPU (a draft step at batch 1): one product with the table's gathered
             # rows and an argmax; the kernel's log-probability and masking are not needed
             # (the first maximum, as compressed_head returns; tested equal)
-            t = int(idx[0])
+            t = int(idx)
+            fast = self._tiled.get(t)
+            if (fast is not None and fast[0] == weight_stamp(self.table_weight) and hidden.dtype == torch.bfloat16
+                    and hidden.shape[1] == fast[1].k and hidden.is_contiguous() and not hidden.requires_grad):
+                # the same kernel as below, the ids looked up in its call, without the ~15 checks
+                # and views around it: right after a target step has swept the caches each
+                # tensor op costs 10-25 us (~0.1 ms a step)
+                return amx.linear_argmax_rows(hidden, fast[1], fast[2])
             w = self.table_weight[t, : int(self.tables.lens[t])]
             # bf16 on a CPU with bf16 units: the table's rows laid out for oneDNN once
             # (on AMX the product's largest output found without writing the products; else
             # max's index, not argmax: the same first maximum, 4x faster over 16K bf16 logits)
             slot = prepared_argmax(hidden.to(w.dtype), w, self._prepared, t)
+            state = self._prepared.get(t)
+            if (state is not None and isinstance(state[1], amx.Packed) and hidden.dtype == torch.bfloat16
+                    and state[1].k % amx.TILE_K == 0 and self.tables.tables.dtype == torch.int64):
+                self._tiled[t] = (weight_stamp(self.table_weight), state[1], self.tables.tables[t].contiguous())
             return self.tables.tables[t].index_select(0, slot)
         top, _, _ = compressed_head(hidden.to(self.weight.dtype).contiguous(), self.weight,
                                     self.tables.tables, self.tables.lens, idx, extra,
