@@ -8,7 +8,8 @@
    inputs are the A operand (up to 16 rows x 32 inputs), the C tile holds 16 rows x 16 fp32
    sums. A block's tiles are multiplied against every 16 rows before the next block is read, so
    the weights stream from memory once per call whatever M is; each output is one chain of tile
-   products in the same order for any M (a row's result does not depend on the other rows).
+   products in the same order for any M >= 2 (a row's result does not depend on the other rows;
+   M = 1 takes vector dot products: linear_row below).
    The sums get the bias in fp32 and are rounded to bf16 (nearest even) once.
 
    Blocks of columns are split across OpenMP threads; loader.py links the library against

@@ -17,15 +17,18 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
   refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``: callers then keep oneDNN
   (packed_linear.py).
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``;
-  :func:`linear_argmax` only each row's largest output's index (a greedy draft's table pick).
+  :func:`linear_argmax` only each row's largest output's index (a greedy draft's table pick;
+  :func:`linear_argmax_rows` with the table's token ids looked up in the call).
 - :func:`add_rms_`, :func:`rope_`, :func:`silu_mul`: the elementwise steps of a bf16 decoder
   layer, one call each with transformers' roundings (decode/lean_forward.py, lean_head.py).
 - :class:`HeadStep`: a head's whole draft step at one token per row in one call, from the
   same pieces (decode/lean_head.py).
 
-The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order, so the last bit
-of an output can differ from ``F.linear``'s; a row's result never depends on the other rows of
-the call (tests/test_cpu_amx.py: float64 reference over odd shapes, row independence).
+A single row takes AVX-512 dot products over the same tiles instead (the tile loads read memory
+slower at one row: ``amx.c``). The sums are fp32 and rounded to bf16 once, like oneDNN's, but in
+another order, so the last bit of an output can differ from ``F.linear``'s, and a row alone from
+the same row among others; from two rows a row's result never depends on the other rows of the
+call (tests/test_cpu_amx.py: float64 reference over odd shapes, row independence).
 """
 
 from __future__ import annotations
