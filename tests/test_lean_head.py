@@ -243,6 +243,29 @@ def test_one_call_step_follows_a_norm_moved_to_new_storage():
 
 
 @needs_kernels
+def test_one_call_step_follows_a_swapped_embedding():
+    """The embedding is the target's, which ``set_embed_and_head`` may swap for another module,
+    or whose weight may be replaced: the step reads the embedding it is given now."""
+    t, head = _world("deepseek")
+    pack_for_inference(t.model, head, "on")
+    fused, calls = LeanHead(head), LeanHead(head)
+    calls._one_call = lambda tiles: None
+    x, tok, pos = torch.randn(1, 1, 64).to(torch.bfloat16), torch.tensor([[4]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        before = fused(x, tok, pos, head.new_cache(1, 8))
+    other = torch.nn.Embedding(*head.embed_tokens.weight.shape).to(torch.bfloat16)
+    head.set_embed_and_head(other, head.lm_head)
+    with torch.inference_mode():
+        after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    assert torch.equal(after, ref) and not torch.equal(after, before)
+    kept = other.weight
+    other.weight = torch.nn.Parameter(kept.detach() * 3, requires_grad=False)
+    with torch.inference_mode():
+        again, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    assert torch.equal(again, ref) and not torch.equal(again, after)
+
+
+@needs_kernels
 def test_one_call_step_refuses_a_token_outside_the_embedding():
     """A token id past the embedding's rows is refused by the kernel before it writes anything
     (it reads the embedding row by address)."""

@@ -62,10 +62,12 @@ class LeanHead:
         self.projs = fuse + [_Proj([a.q_proj, a.k_proj, a.v_proj]), _Proj([a.o_proj]),
                              _Proj([m.gate_proj, m.up_proj]), _Proj([m.down_proj])]
         layer = head.layer
-        # what the one-call step reads by address beside the tiles: the norms and the embedding
-        self._read = [head.enorm, head.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
-                      head.final_norm, head.embed_tokens]
-        self._tileset = TileSet(self.projs, watch=self._read)
+        # what the one-call step reads by address beside the tiles: the norms (watched by the
+        # tile set, as the products' modules are) and the target's embedding (which
+        # ``set_embed_and_head`` may swap: looked up on every call)
+        self._norms = [head.enorm, head.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
+                       head.final_norm]
+        self._tileset = TileSet(self.projs, watch=self._norms)
         self._step: tuple | None = None   # (tiles, amx.HeadStep or None, addresses, their tensors)
         self.H = cfg.hidden_size
         self._packed_probe = self.projs[-1].members[0]
@@ -73,17 +75,22 @@ class LeanHead:
     def _one_call(self, tiles: list) -> amx.HeadStep | None:
         """The whole step in one call of the kernel (:class:`amx.HeadStep`), for these tiles;
         None where its inputs are not all bf16 or its shapes do not fit it."""
-        # the kernel reads the norms and the embedding by address: the tile set watches those
-        # modules' weights (replaced or changed in place: a new tiles list), and a weight moved
-        # to new storage (``.to()``, ``.data =``) changes its address here; either rebuilds the
-        # step, never leaves it reading the old one. (Checked every call: ~1 us.)
+        # the kernel reads the norms and the embedding by address: the tile set watches the
+        # norms' weights (replaced or changed in place: a new tiles list), the embedding's is
+        # looked up here, and a weight moved to new storage (``.to()``, ``.data =``) changes its
+        # address; any of these rebuilds the step, never leaves it reading the old one.
+        # (Checked every call: ~2 us.)
+        embed = self.head.embed_tokens
+        if embed is None:  # (a head without the target's parts: nothing to read)
+            return None
+        emb = embed.weight
         s = self._step
-        if s is not None and s[0] is tiles and s[2] == tuple(t.data_ptr() for t in s[3]):
+        if (s is not None and s[0] is tiles and s[3][-1] is emb
+                and s[2] == tuple(t.data_ptr() for t in s[3])):
             return s[1]
         hd, cfg = self.head, self.head.cfg
         layer = hd.layer
-        norms = [m.weight for m in self._read[:5]]
-        emb = self._read[5].weight
+        norms = [m.weight for m in self._norms]
         nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         step = None
         if (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in norms + [emb])
