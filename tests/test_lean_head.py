@@ -216,28 +216,29 @@ def test_one_call_step_grows_the_cache_and_the_rotary_table():
         assert bool(cache.k[0, :, 1500].abs().sum() > 0)
 
 
+def _one_step_both(fused: LeanHead, calls: LeanHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft step of one fixed input, on fresh caches: (the one-call step's output, the calls')."""
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    tok, pos = torch.tensor([[4]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        return fused(x, tok, pos, fused.head.new_cache(1, 8)), calls(x, tok, pos, calls.head.new_cache(1, 8))
+
+
 @needs_kernels
 def test_one_call_step_follows_a_norm_moved_to_new_storage():
     """The kernel reads the norms and the embedding by address: a parameter given new storage
     (as ``.to()`` or a replacing load does) rebuilds the step, which then reads the new values."""
-    t, head = _world("deepseek")
-    pack_for_inference(t.model, head, "on")
-    fused, calls = LeanHead(head), LeanHead(head)
-    calls._one_call = lambda tiles: None
-    x, tok, pos = torch.randn(1, 1, 64).to(torch.bfloat16), torch.tensor([[4]]), torch.tensor([[0]])
-    with torch.inference_mode():
-        before = fused(x, tok, pos, head.new_cache(1, 8))
+    _, head, fused, calls = _fused_and_calls("deepseek")
+    before, _ = _one_step_both(fused, calls)
     with torch.no_grad():
         head.final_norm.weight.data = head.final_norm.weight.data * 2  # new storage, new values
-    with torch.inference_mode():
-        after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    after, ref = _one_step_both(fused, calls)
     assert torch.equal(after, ref) and not torch.equal(after, before)
     # a norm replaced by another parameter (the old one kept alive elsewhere, so its storage
     # stays valid and only the watch on the module's weight can tell)
     old = head.hnorm.weight
     head.hnorm.weight = torch.nn.Parameter(old.detach() * 3, requires_grad=False)
-    with torch.inference_mode():
-        again, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    again, ref = _one_step_both(fused, calls)
     assert torch.equal(again, ref) and not torch.equal(again, after)
     assert old.data_ptr() != head.hnorm.weight.data_ptr()
 
@@ -246,22 +247,15 @@ def test_one_call_step_follows_a_norm_moved_to_new_storage():
 def test_one_call_step_follows_a_swapped_embedding():
     """The embedding is the target's, which ``set_embed_and_head`` may swap for another module,
     or whose weight may be replaced: the step reads the embedding it is given now."""
-    t, head = _world("deepseek")
-    pack_for_inference(t.model, head, "on")
-    fused, calls = LeanHead(head), LeanHead(head)
-    calls._one_call = lambda tiles: None
-    x, tok, pos = torch.randn(1, 1, 64).to(torch.bfloat16), torch.tensor([[4]]), torch.tensor([[0]])
-    with torch.inference_mode():
-        before = fused(x, tok, pos, head.new_cache(1, 8))
+    _, head, fused, calls = _fused_and_calls("deepseek")
+    before, _ = _one_step_both(fused, calls)
     other = torch.nn.Embedding(*head.embed_tokens.weight.shape).to(torch.bfloat16)
     head.set_embed_and_head(other, head.lm_head)
-    with torch.inference_mode():
-        after, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    after, ref = _one_step_both(fused, calls)
     assert torch.equal(after, ref) and not torch.equal(after, before)
     kept = other.weight
     other.weight = torch.nn.Parameter(kept.detach() * 3, requires_grad=False)
-    with torch.inference_mode():
-        again, ref = fused(x, tok, pos, head.new_cache(1, 8)), calls(x, tok, pos, head.new_cache(1, 8))
+    again, ref = _one_step_both(fused, calls)
     assert torch.equal(again, ref) and not torch.equal(again, after)
 
 
