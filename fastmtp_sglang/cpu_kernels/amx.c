@@ -52,10 +52,12 @@ int fastmtp_amx_init(void) {
 }
 
 /* ---------- one row: AVX-512 dot products over the same tiles ----------
-   At one row a tile product uses 1/16 of the A tile, and the tile loads read memory slower than
-   vector loads do: the demo head's 16,384-row table took 1.04-1.09 ms right after a target step
-   on tiles against 0.79-0.82 ms as below, the target's 121 products 11.8 against 11.0 ms (AMX
-   Xeon, 2 threads; from two rows the tiles win: 10.9 against 11.5 ms). A tile's row k is pair k
+   At one row a tile product uses 1/16 of the A tile. Measured against the tiles right after a
+   target step (AMX Xeon, 2 threads): on a quiet morning, in throwaway probes, the 16,384-row
+   table's argmax 0.79-0.82 against 1.04-1.09 ms and a step's 121 products 11.0 against 11.8 ms;
+   on a memory-contended afternoon, by bench/probes/one_row_probe.py, the table level (0.94-1.05
+   against 0.97-1.06 ms) and the products 4% behind (11.3-12.6 against 10.9-12.0 ms). From two
+   rows the tiles win by far (12.4 against 15.8 ms at two rows). A tile's row k is pair k
    of the inputs for its 16 columns, VDPBF16PS's layout: each column's sum is one chain over the
    pairs in order (fp32), four blocks of columns at a time to hide the chain's latency. The
    sums round differently from the tiles' (rarely the last bit of a bf16 output), so a row alone
