@@ -40,9 +40,9 @@ def test_linear_matches_float64_within_rounding(N, K, M):
 
 @needs_kernels
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads():
-    """From two rows a row's result is the same whatever the other rows are; a row alone takes the
-    vector path (its own sums, at most a bf16 step from the tiles'); neither depends on the
-    thread count."""
+    """A row's result is the same bits whatever the other rows of the call are, alone or among
+    37 (three 16-row passes), at any thread count (which regroups the column blocks whose
+    chains run together): a greedy request decodes the same tokens alone or in a batch."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(200, 96, generator=g).to(bf)
     x = torch.randn(37, 96, generator=g).to(bf)
@@ -53,8 +53,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads():
         assert torch.equal(ck.linear(x[[m, other]], p), full[[m, other]])
     assert torch.equal(ck.linear(x[3:20], p), full[3:20])
     alone = torch.cat([ck.linear(x[m:m + 1], p) for m in range(37)])
-    step = full.float().abs() * 2.0 ** -7 + 1e-30
-    assert bool(((alone.float() - full.float()).abs() <= step).all())
+    assert torch.equal(alone, full)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -142,7 +141,9 @@ def test_rope_and_silu_mul_equal_pytorchs_ops(D):
 def test_linear_argmax_is_the_first_maximum_of_the_products(N, K, M, threads):
     """The index of each row's largest bf16 output, as ``linear(...).max(-1).indices`` (the
     first of tied maxima), with rows tied on purpose (duplicated weight rows), at any thread
-    count."""
+    count. One row sums on vector units (amx_products.h), which may round a near-tie apart from
+    the tiles: there the pick must be the first maximum of its own sums, within a bf16 step of
+    linear()'s maximum."""
     g = torch.Generator().manual_seed(N + K + M)
     w = torch.randn(N, K, generator=g).to(bf)
     if N > 20:
@@ -158,8 +159,16 @@ def test_linear_argmax_is_the_first_maximum_of_the_products(N, K, M, threads):
         got = ck.linear_argmax(x, p)
     finally:
         torch.set_num_threads(old)
-    want = ck.linear(x, p).max(-1).indices
-    assert got.dtype == torch.int64 and torch.equal(got, want)
+    y = ck.linear(x, p)
+    want = y.max(-1).indices
+    assert got.dtype == torch.int64
+    if M > 1:
+        assert torch.equal(got, want)
+    else:
+        top = y[0, want[0]].float()
+        assert float((top - y[0, got[0]].float()).abs()) <= float(top.abs()) * 2.0 ** -7
+        exact = (x[0].double() @ w.double().T)
+        assert float(exact[got[0]]) >= float(exact.max()) - float(exact.abs().max()) * 2.0 ** -6
     if N > 20:
         assert int(got[0]) == 5
 

@@ -1,7 +1,7 @@
-/* bench/probes/one_row_probe.py's kernels: the tile product at one row as amx.c ran it before it
-   moved one row onto vector units (and with column blocks interleaved or software prefetch), the
-   vector path at 2-8 rows, and a check of which summation order reproduces TDPBF16PS. A probe,
-   not a product: nothing of fastmtp_sglang calls it. */
+/* bench/probes/one_row_probe.py's kernels: the tile product with one column block's chain at a
+   time (amx.c before 2026-12-06) or three blocks' chains at once (amx.c from two rows now), with
+   or without software prefetch, the vector path at 2-8 rows, and a check of which summation
+   order reproduces TDPBF16PS. A probe, not a product: nothing of fastmtp_sglang calls it. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -86,28 +86,37 @@ int probe_tiles_argmax(const uint16_t *x, const uint16_t *w, int N, int K, int64
     return 0;
 }
 
-/* y = x W^T for one row on tiles, as amx.c ran it before (no bias) */
+/* y = x W^T for M <= 16 rows on tiles (no bias), G (1-3) column blocks' chains at once: G = 1
+   as amx.c ran it before 2026-12-06, G = 3 as it runs from two rows now */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
-void probe_tiles_linear1(const uint16_t *x, const uint16_t *w, uint16_t *y, int N, int K, int threads) {
+void probe_tiles_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                        int threads, int G) {
     int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
     #pragma omp parallel num_threads(threads)
     {
-        float tmp[256] __attribute__((aligned(64)));
+        float tmp[3][256] __attribute__((aligned(64)));
         int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
-        if (lo < hi) cfg(1);
-        for (int j = lo; j < hi; j++) {
+        if (lo < hi) cfg(M);
+        for (int j = lo; j < hi; j += G) {
+            int g = hi - j < G ? hi - j : G;
             const uint16_t *wb = w + (size_t)j * Kp * 32;
-            int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
-            _tile_zero(0);
+            _tile_zero(0); _tile_zero(3); _tile_zero(4);
             for (int t = 0; t < kt; t++) {
                 _tile_loadd(1, x + t * 32, K * 2);
                 _tile_loadd(2, wb + (size_t)t * 512, 64);
                 _tile_dpbf16ps(0, 1, 2);
+                if (g > 1) { _tile_loadd(6, wb + (size_t)Kp * 32 + (size_t)t * 512, 64); _tile_dpbf16ps(3, 1, 6); }
+                if (g > 2) { _tile_loadd(7, wb + (size_t)2 * Kp * 32 + (size_t)t * 512, 64); _tile_dpbf16ps(4, 1, 7); }
             }
-            _tile_stored(0, tmp, 64);
-            __m256bh o = _mm512_cvtneps_pbh(_mm512_load_ps(tmp));
-            _mm256_mask_storeu_epi16((void *)(y + j * 16), (__mmask16)((1u << ncols) - 1), (__m256i)o);
+            _tile_stored(0, tmp[0], 64); _tile_stored(3, tmp[1], 64); _tile_stored(4, tmp[2], 64);
+            for (int q = 0; q < g; q++) {
+                int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
+                for (int m = 0; m < M; m++) {
+                    __m256bh o = _mm512_cvtneps_pbh(_mm512_load_ps(tmp[q] + m * 16));
+                    _mm256_mask_storeu_epi16((void *)(y + (size_t)m * N + jj * 16), (__mmask16)((1u << ncols) - 1), (__m256i)o);
+                }
+            }
         }
         if (lo < hi) _tile_release();
     }

@@ -8,7 +8,8 @@ Llama-block head's whole draft step or short extend in one call, and a verify's 
 few tokens a row on tiles), ``decode_attention`` (+
 ``decode_attention.c``: one new token per row over a bf16 cache in one pass, AVX-512),
 ``packed_linear`` (bf16 linear layers on weights laid out once: oneDNN's, or ``amx`` tiles).
-``bf16.h``: the helpers both C files include.
+``bf16.h``: the helpers both C files include; ``amx_products.h``: the tile pass and the
+one-row argmax that ``amx.c`` builds its products on.
 
 May import: ``fastmtp_sglang.core`` (what the CPU has, the cache folder). Never ``vocab`` or
 anything above it.

@@ -7,9 +7,10 @@
    are one 1 KB tile: 16 pairs of inputs x 16 columns, the B operand of TDPBF16PS. The rows'
    inputs are the A operand (up to 16 rows x 32 inputs), the C tile holds 16 rows x 16 fp32
    sums. A block's tiles are multiplied against every 16 rows before the next block is read, so
-   the weights stream from memory once per call whatever M is; each output is one chain of tile
-   products in the same order for any M >= 2 (a row's result does not depend on the other rows;
-   M = 1 takes vector dot products: linear_row below).
+   the weights stream from memory once per call whatever M is, three blocks' chains at once
+   (tile_pass, amx_products.h); each output is one chain of tile products in the same order for
+   any M (a row's result does not depend on the other rows: a greedy request decodes the same
+   tokens alone or in a batch).
    The sums get the bias in fp32 and are rounded to bf16 (nearest even) once.
 
    Blocks of columns are split across OpenMP threads; loader.py links the library against
@@ -25,125 +26,40 @@
 #include <unistd.h>
 
 #include "bf16.h"  /* bf2f, f2bf, bf16x16, exp16 */
+#include "amx_products.h"  /* amx_config, tile_pass, argmax_row */
 
 /* K must be a multiple of 32 (amx.py pads the rows' inputs with zeros), and the process
    must hold the permission to use tile data (fastmtp_amx_init). */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
-
-__attribute__((target("amx-tile")))
-static void amx_config(int r) {
-    tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    c.rows[0] = r;  c.colsb[0] = 64;  /* C: r rows x 16 fp32 */
-    c.rows[1] = r;  c.colsb[1] = 64;  /* A: r rows x 32 bf16 */
-    c.rows[2] = 16; c.colsb[2] = 64;  /* B: 16 pairs x 16 columns x 2 */
-    _tile_loadconfig(&c);
-}
 
 int fastmtp_amx_init(void) {
     /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): 0 when granted (idempotent) */
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
 }
 
-/* ---------- one row: AVX-512 dot products over the same tiles ----------
-   At one row a tile product uses 1/16 of the A tile. Measured against the tiles right after a
-   target step (AMX Xeon, 2 threads): on a quiet morning, in throwaway probes, the 16,384-row
-   table's argmax 0.79-0.82 against 1.04-1.09 ms and a step's 121 products 11.0 against 11.8 ms;
-   on a memory-contended afternoon, by bench/probes/one_row_probe.py, the table level (0.94-1.05
-   against 0.97-1.06 ms) and the products 4% behind (11.3-12.6 against 10.9-12.0 ms). From two
-   rows the tiles win by far (12.4 against 15.8 ms at two rows). A tile's row k is pair k
-   of the inputs for its 16 columns, VDPBF16PS's layout: each column's sum is one chain over the
-   pairs in order (fp32), four blocks of columns at a time to hide the chain's latency. The
-   sums round differently from the tiles' (rarely the last bit of a bf16 output), so a row alone
-   is computed apart from the rows of a larger call; a one-row result is the same at any thread
-   count, and the argmax below at one row picks from exactly these sums. */
-
-#define ROW_BLOCKS 4
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static inline void row_blocks(const uint16_t *x, const uint16_t *wb, int g, int Kp, __m512 *acc) {
-    /* acc[q] = the fp32 sums of block q (0 <= q < g <= ROW_BLOCKS) starting at wb */
-    const size_t bs = (size_t)Kp * 32;
-    for (int q = 0; q < ROW_BLOCKS; q++) acc[q] = _mm512_setzero_ps();
-    if (g == ROW_BLOCKS) {
-        for (int r = 0; r < Kp; r++) {
-            uint32_t pr;
-            memcpy(&pr, x + 2 * r, 4);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pr);
-            const uint16_t *wr = wb + (size_t)r * 32;
-            acc[0] = _mm512_dpbf16_ps(acc[0], xb, (__m512bh)_mm512_loadu_si512(wr));
-            acc[1] = _mm512_dpbf16_ps(acc[1], xb, (__m512bh)_mm512_loadu_si512(wr + bs));
-            acc[2] = _mm512_dpbf16_ps(acc[2], xb, (__m512bh)_mm512_loadu_si512(wr + 2 * bs));
-            acc[3] = _mm512_dpbf16_ps(acc[3], xb, (__m512bh)_mm512_loadu_si512(wr + 3 * bs));
-        }
-        return;
-    }
-    for (int q = 0; q < g; q++)
-        for (int r = 0; r < Kp; r++) {
-            uint32_t pr;
-            memcpy(&pr, x + 2 * r, 4);
-            acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_set1_epi32((int)pr),
-                                      (__m512bh)_mm512_loadu_si512(wb + q * bs + (size_t)r * 32));
-        }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void linear_row(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
-                       int N, int K, int threads) {
-    const int nb = (N + 15) / 16, Kp = K / 2;
-    #pragma omp parallel num_threads(threads)
-    {
-        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
-        __m512 acc[ROW_BLOCKS];
-        for (int j = lo; j < hi; j += ROW_BLOCKS) {
-            const int g = hi - j < ROW_BLOCKS ? hi - j : ROW_BLOCKS;
-            row_blocks(x, w + (size_t)j * Kp * 32, g, Kp, acc);
-            for (int q = 0; q < g; q++) {
-                const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
-                const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-                const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + jj * 16) : _mm512_setzero_ps();
-                __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[q], b));
-                _mm256_mask_storeu_epi16((void *)(y + jj * 16), mask, (__m256i)o);
-            }
-        }
-    }
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 void fastmtp_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
                              int M, int N, int K, int threads) {
-    if (M == 1) { linear_row(x, w, bias, y, N, K, threads); return; }
-    int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
+    const int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
     #pragma omp parallel num_threads(threads)
     {
         int cur = 0;
-        float tmp[16 * 16] __attribute__((aligned(64)));
-        #pragma omp for schedule(static)
-        for (int j = 0; j < nb; j++) {
-            const uint16_t *wb = w + (size_t)j * Kp * 32;
-            int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
-            __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-            __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+        float tmp[CHAINS][256] __attribute__((aligned(64)));
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
+        for (int j = lo; j < hi; j += CHAINS) {
+            const int g = hi - j < CHAINS ? hi - j : CHAINS;
             for (int m0 = 0; m0 < M; m0 += 16) {
-                int r = M - m0 < 16 ? M - m0 : 16;
+                const int r = M - m0 < 16 ? M - m0 : 16;
                 if (r != cur) { amx_config(r); cur = r; }
-                _tile_zero(0);
-                for (int t = 0; t < kt; t++) {
-                    _tile_loadd(1, x + (size_t)m0 * K + t * 32, K * 2);
-                    _tile_loadd(2, wb + (size_t)t * 512, 64);
-                    _tile_dpbf16ps(0, 1, 2);
-                }
-                _tile_stored(0, tmp, 64);
-                for (int m = 0; m < r; m++) {
-                    __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tmp + m * 16), b));
-                    _mm256_mask_storeu_epi16((void *)(y + (size_t)(m0 + m) * N + j * 16), mask, (__m256i)o);
+                tile_pass(x + (size_t)m0 * K, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, tmp);
+                for (int q = 0; q < g; q++) {
+                    const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
+                    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+                    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + jj * 16) : _mm512_setzero_ps();
+                    for (int m = 0; m < r; m++) {
+                        __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tmp[q] + m * 16), b));
+                        _mm256_mask_storeu_epi16((void *)(y + (size_t)(m0 + m) * N + jj * 16), mask, (__m256i)o);
+                    }
                 }
             }
         }
@@ -401,53 +317,13 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
    its contiguous share of blocks, and the shares are compared in order. map: NULL, or [N] ids
    written in place of the indices (a vocabulary table's token ids: one tensor op fewer a step). */
 
-static inline int better(float v, int64_t i, float bv, int64_t bi) {
-    if (isnan(v)) return !isnan(bv) || i < bi;
-    if (isnan(bv)) return 0;
-    return v > bv || (v == bv && i < bi);
-}
-
-/* each thread's best of its contiguous share of blocks: bestv/besti [thread][row] */
-typedef struct { float v[256][16]; int64_t i[256][16]; int used; } shares;
-
-static inline void keep(float v, int64_t i, float *bv, int64_t *bi) {
-    if (better(v, i, *bv, *bi)) { *bv = v; *bi = i; }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void argmax_row(const uint16_t *x, const uint16_t *w, int N, int K, int threads, shares *sh) {
-    /* one row: linear_row's sums */
-    const int nb = (N + 15) / 16, Kp = K / 2;
-    #pragma omp parallel num_threads(threads)
-    {
-        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (me == 0) sh->used = nt;
-        const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
-        float tmp[16] __attribute__((aligned(64)));
-        __m512 acc[ROW_BLOCKS];
-        float bv = -INFINITY;
-        int64_t bi = -1;
-        for (int j = lo; j < hi; j += ROW_BLOCKS) {
-            const int g = hi - j < ROW_BLOCKS ? hi - j : ROW_BLOCKS;
-            row_blocks(x, w + (size_t)j * Kp * 32, g, Kp, acc);
-            for (int q = 0; q < g; q++) {
-                _mm512_store_ps(tmp, acc[q]);
-                const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
-                for (int c = 0; c < ncols; c++) keep(bf2f(f2bf(tmp[c])), (int64_t)jj * 16 + c, &bv, &bi);
-            }
-        }
-        sh->v[me][0] = bv;
-        sh->i[me][0] = bi;
-    }
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int K, int threads,
                          shares *sh) {
     const int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
     #pragma omp parallel num_threads(threads)
     {
-        float tmp[16 * 16] __attribute__((aligned(64)));
+        float tmp[CHAINS][256] __attribute__((aligned(64)));
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         if (me == 0) sh->used = nt;
         float *bv = sh->v[me];
@@ -455,18 +331,15 @@ static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int
         for (int m = 0; m < M; m++) { bv[m] = -INFINITY; bi[m] = -1; }
         const int lo = (int)((long)nb * me / nt), hi = (int)((long)nb * (me + 1) / nt);
         if (lo < hi) amx_config(M);
-        for (int j = lo; j < hi; j++) {
-            const uint16_t *wb = w + (size_t)j * Kp * 32;
-            const int ncols = N - j * 16 < 16 ? N - j * 16 : 16;
-            _tile_zero(0);
-            for (int t = 0; t < kt; t++) {
-                _tile_loadd(1, x + t * 32, K * 2);
-                _tile_loadd(2, wb + (size_t)t * 512, 64);
-                _tile_dpbf16ps(0, 1, 2);
+        for (int j = lo; j < hi; j += CHAINS) {
+            const int g = hi - j < CHAINS ? hi - j : CHAINS;
+            tile_pass(x, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, tmp);
+            for (int q = 0; q < g; q++) {
+                const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
+                for (int m = 0; m < M; m++)
+                    for (int c = 0; c < ncols; c++)
+                        keep(bf2f(f2bf(tmp[q][m * 16 + c])), (int64_t)jj * 16 + c, bv + m, bi + m);
             }
-            _tile_stored(0, tmp, 64);
-            for (int m = 0; m < M; m++)
-                for (int c = 0; c < ncols; c++) keep(bf2f(f2bf(tmp[m * 16 + c])), (int64_t)j * 16 + c, bv + m, bi + m);
         }
         if (lo < hi) _tile_release();
     }

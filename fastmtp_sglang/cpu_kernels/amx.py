@@ -24,11 +24,12 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 - :class:`HeadStep`: a head's whole draft step at one token per row in one call, from the
   same pieces (decode/lean_head.py).
 
-A single row takes AVX-512 dot products over the same tiles instead (the tile loads read memory
-slower at one row: ``amx.c``). The sums are fp32 and rounded to bf16 once, like oneDNN's, but in
-another order, so the last bit of an output can differ from ``F.linear``'s, and a row alone from
-the same row among others; from two rows a row's result never depends on the other rows of the
-call (tests/test_cpu_amx.py: float64 reference over odd shapes, row independence).
+Products run three column blocks' chains of tile products at once (``amx_products.h``); the
+argmax at a single row takes AVX-512 dot products over the same tiles (faster there for the
+table's pick). The sums are fp32 and rounded to bf16 once, like oneDNN's, but in another order,
+so the last bit of an output can differ from ``F.linear``'s; a row's result never depends on the
+other rows of the call, alone or among others, nor on the thread count (tests/test_cpu_amx.py:
+float64 reference over odd shapes, row independence).
 """
 
 from __future__ import annotations

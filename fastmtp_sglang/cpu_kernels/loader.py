@@ -116,7 +116,7 @@ def _library_path(cc: str, source: Path, stem: str) -> tuple[Path, list[list[str
     """Where the library built from ``source`` is cached (``<stem>-<key>.so``), and the commands
     that build it."""
     cmds = _commands(cc, _loaded_openmp())
-    # (the headers beside it too: bf16.h, which both C files include)
+    # (the headers beside it too: bf16.h, which both C files include, and amx_products.h)
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     tag = cache_key(text, _compiler_id(cc), cmds)
     return _cache_dir() / f"{stem}-{tag}.so", cmds
