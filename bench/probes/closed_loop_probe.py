@@ -7,7 +7,10 @@ arm's loss under load can be split into prefill (joins), cycles and bookkeeping.
 
 Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt lookup), ``auto``
 (the hybrid auto engine), ``auto0`` (the same engine with a margin no drafting can beat: what
-auto's machinery costs when it never drafts). Rounds rotate the arms' order. Direction only:
+auto's machinery costs when it never drafts), ``autoW`` (the same engine with each catch-up
+spread over the rows' whole budgets, as before 2026-12-06, not capped by the head cycles that
+followed catch-ups: AutoK._head_share). ``--deep``: auto's K range from this machine's costs,
+as ``fastmtp bench --steps auto`` runs it (default: K <= 3). Rounds rotate the arms' order. Direction only:
 the bench (``fastmtp bench --concurrency``) is the measurement.
 """
 import argparse
@@ -102,6 +105,7 @@ def main():
     ap.add_argument("--arms", default="0,auto,auto0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
+    ap.add_argument("--deep", action="store_true", help="auto's K range as fastmtp bench chooses it")
     a = ap.parse_args()
     torch.set_num_threads(2)
     _spy_choices()
@@ -114,12 +118,15 @@ def main():
     curves = None
     for arm in a.arms.split(","):
         if arm.startswith("auto"):
+            spec = AutoSpec() if a.deep else AutoSpec(3)
             if curves is None:
-                curves = [measure_costs(AutoSpec(3), target, head, vocab, batch=bb)
+                curves = [measure_costs(spec, target, head, vocab, batch=bb)
                           for bb in sorted({1, 2, 4, 8, a.clients})]
-            eng = build_auto_engine(AutoSpec(3), target, head, curves[0], None, vocab, curves[1:])
+            eng = build_auto_engine(spec, target, head, curves[0], None, vocab, curves[1:])
             if arm == "auto0":
                 eng.auto.margin = 0.99
+            if arm == "autoW":
+                eng.auto._track_run = lambda *args: None
         elif arm.startswith("lookup"):
             eng = ReferenceEngine(target, None, int(arm[6:]), None, drafter=NgramDrafter())
         else:

@@ -9,7 +9,7 @@ the rows run together), ``slot_cache`` (the target's KV cache written in place),
 ``nucleus`` (top-k / top-p from a row's largest entries), ``leaves``
 (more candidates beside the head's drafts, verified in the same forward), ``ngram``
 (prompt lookup), ``metrics`` (tau, A_k, a_k, accept histogram), ``costs`` (the cost curve),
-``auto`` (AutoK: K per cycle), ``auto_setup`` (``--steps auto`` from settings to engine),
+``auto`` (AutoK: K per cycle), ``auto_model`` (the costs and expected tokens it prices with), ``auto_setup`` (``--steps auto`` from settings to engine),
 ``generator`` (requests from a queue through the engine with continuous batching:
 distillation's in-process path), ``capture`` (what a request keeps for training), ``stops``
 (where an output ends).

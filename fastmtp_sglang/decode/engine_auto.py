@@ -39,9 +39,9 @@ class AutoDrafting:
         if self.auto is None:
             return self.steps
         rows = b.rows
-        once, left = self._prompts_once(rows), self._cycles_left(rows)
         if not self.hybrid:
-            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(), once, left)
+            return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(),
+                                    self._prompts_once(rows), self._cycles_left(rows))
         if not self.auto.room(len(rows)) or self._plan_backs_off(b):
             # no source could pay at this batch size, not even for rows as good as its best
             # shared estimate (AutoK.room, the rule probes follow), or the last plans at this
@@ -50,6 +50,7 @@ class AutoDrafting:
             b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
         b.plan_rows = len(rows)
+        once, left = self._prompts_once(rows), self._cycles_left(rows)  # (a plan's alone: K=0 needs neither)
         props = [self._lookup(r, self.steps) for r in rows]
         looks = []
         for r, (toks, m) in zip(rows, props):
