@@ -549,24 +549,30 @@ def test_a_catch_up_is_spread_only_over_the_head_cycles_that_followed_catch_ups(
     """Under load the head drafted a cycle or two after a catch-up and the batch went back to
     K=0, so a catch-up spread over the rows' whole budgets was paid by one or two cycles. Once
     runs are seen at a batch class the catch-up is spread over at most their median length
-    there; where the head went on drafting (one row), over the cycles left as before."""
+    there; where the head went on drafting (one row), over the cycles left as before. A cycle
+    on prompt lookup alone neither counts nor ends a run; a run a probe started is not kept."""
     costs = StepCosts({1: 40.0, 2: 42.0, 4: 45.0}, draft_step=5.0, extend=2.0,
                       extend_by_n={1: 2.0, 4: 4.0})
     auto = AutoK(costs, 3)
     z = 120
     whole = auto.catch_up_ms(z, 8)
     assert auto._head_share(0.0, z, 8, 200, 1.5) == pytest.approx(whole * 1.5 / 200)  # nothing seen
-    for _ in range(3):  # at 8 rows: a catch-up, one more head cycle, a lookup-only cycle, K=0
+    for _ in range(3):  # at 8 rows: K=0, a catch-up, a lookup-only cycle, one more head cycle, K=0
         auto.observe_cycle(0, 8, 40.0)
         auto.observe_cycle(1, 8, 60.0, deferred=z)
-        auto.observe_cycle(1, 8, 50.0)
         auto.observe_cycle(2, 8, 45.0, head_steps=False)
+        auto.observe_cycle(1, 8, 50.0, deferred=3)      # (the lookup cycle's small catch-up)
         auto.observe_cycle(0, 8, 40.0)
     assert list(auto._runs[batch_class(8)]) == [2, 2, 2]
     assert auto._head_share(0.0, z, 8, 200, 1.5) == pytest.approx(whole / 2)
     assert auto._head_share(0.0, z, 8, 3, 2.0) == pytest.approx(whole * 2 / 3)  # fewer left: as before
     rows = [[0.45] * 3] * 8
     assert auto.choose(rows, 0, deferred=z, left=200) == 0   # half of ~80 ms: not worth it
+    # a probe's catch-up and the K=0 after it: not a run (probes pay their catch-up whole)
+    assert auto.choose([[0.3] * 3] * 8, zero_run=10_000, deferred=z, left=200) == 1
+    auto.observe_cycle(1, 8, 60.0, deferred=z)
+    auto.observe_cycle(0, 8, 40.0)
+    assert list(auto._runs[batch_class(8)]) == [2, 2, 2]
     # at one row the head went on drafting for 40 cycles after its catch-up
     auto.observe_cycle(1, 1, 20.0, deferred=z)
     for _ in range(39):
@@ -576,7 +582,11 @@ def test_a_catch_up_is_spread_only_over_the_head_cycles_that_followed_catch_ups(
     assert list(auto._runs[batch_class(1)]) == [40]
     assert auto._head_share(0.0, z, 1, 200, 1.5) == pytest.approx(auto.catch_up_ms(z, 1) / 40)
     assert auto._head_share(0.0, z, 1, 1000, 1.5) == pytest.approx(auto.catch_up_ms(z, 1) / 40)
-    assert AutoK(costs, 3, calibrate=False)._runs == {}  # a curve imposed: nothing learnt
+    fixed = AutoK(costs, 3, calibrate=False)          # a curve imposed: nothing learnt
+    for _ in range(3):
+        fixed.observe_cycle(1, 8, 60.0, deferred=z)
+        fixed.observe_cycle(0, 8, 40.0)
+    assert fixed._runs == {} and fixed._head_share(0.0, z, 8, 200, 1.5) == pytest.approx(whole * 1.5 / 200)
 
 
 def test_the_engine_spreads_catch_ups_over_the_budget_left(llama):

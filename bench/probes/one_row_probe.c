@@ -1,5 +1,5 @@
 /* bench/probes/one_row_probe.py's kernels: the tile product with one column block's chain at a
-   time (amx.c before 2026-12-06) or three blocks' chains at once (amx.c from two rows now), with
+   time (amx.c before 2026-12-06) or three blocks' chains at once (amx.c now), with
    or without software prefetch, the vector path at 2-8 rows, and a check of which summation
    order reproduces TDPBF16PS. A probe, not a product: nothing of fastmtp_sglang calls it. */
 #include <immintrin.h>
@@ -87,7 +87,7 @@ int probe_tiles_argmax(const uint16_t *x, const uint16_t *w, int N, int K, int64
 }
 
 /* y = x W^T for M <= 16 rows on tiles (no bias), G (1-3) column blocks' chains at once: G = 1
-   as amx.c ran it before 2026-12-06, G = 3 as it runs from two rows now */
+   as amx.c ran it before 2026-12-06, G = 3 as it runs now */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 void probe_tiles_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                         int threads, int G) {

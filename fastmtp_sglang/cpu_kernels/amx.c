@@ -313,7 +313,8 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
 /* ---------- a product and the index of each row's largest output, without writing the outputs ----------
    What a greedy draft step needs from its vocabulary table: argmax_n bf16(x[m] . W[n]) for M <= 16
    rows, the first index on ties (as torch.max / argmax), a NaN output winning (as torch.max).
-   The same tiles, sums and rounding as fastmtp_linear_bf16_amx; each thread keeps the best of
+   From two rows the same tiles, sums and rounding as fastmtp_linear_bf16_amx (one row: the
+   vector sums of argmax_row, amx_products.h, which may round a near-tie apart); each thread keeps the best of
    its contiguous share of blocks, and the shares are compared in order. map: NULL, or [N] ids
    written in place of the indices (a vocabulary table's token ids: one tensor op fewer a step). */
 

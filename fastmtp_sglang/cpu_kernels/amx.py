@@ -161,7 +161,8 @@ def linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torc
 def linear_argmax(x: torch.Tensor, p: Packed) -> torch.Tensor:
     """``(x @ W.T).max(-1).indices`` for a bf16 ``x`` [M, K] (M <= 16) without writing the
     products: each row's largest bf16 output, the first on ties, a NaN winning (as torch.max).
-    Returns int64 [M]. What a greedy draft step asks of its vocabulary table."""
+    Returns int64 [M]. What a greedy draft step asks of its vocabulary table. From two rows the
+    sums are :func:`linear`'s; one row sums on vector units, which may round a near-tie apart."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the AMX kernel is unavailable: {unavailable_reason()}")

@@ -34,7 +34,7 @@ static void amx_config(int r) {
    sum is one fp32 chain over the pairs in order, four blocks of columns at a time to hide the
    chain's latency. Only the argmax at one row takes it (a greedy draft's pick from its
    vocabulary table): there it read the 16,384-row table 1-5% faster than tiles with three
-   chains right after a target step and 12-18% faster with the table in the caches (a draft's
+   chains right after a target step and 10-18% faster with the table in the caches (a draft's
    later steps), while a step's 121 products at one row were level or 4-7% faster on the tiles
    (bench/probes/one_row_probe.py, bare calls, AMX Xeon, 2 threads; bench/results/tile_chains/).
    These sums round apart from the tiles' (rarely the last bit of a bf16 output, and no order
@@ -75,7 +75,7 @@ static inline void row_blocks(const uint16_t *x, const uint16_t *wb, int g, int 
    One block's chain of TDPBF16PS waits on its own C tile; with few rows in the A tile that
    latency, not memory, set the pace. Three blocks' chains interleaved (C tiles 0, 3, 4; B tiles
    2, 6, 7; one A tile 1) read the demo target's 121 products of a step 6-20% faster at 1-16 rows
-   and the 16,384-row table 8-22% faster right after a target step than one chain, but 6-10%
+   and the 16,384-row table 4-22% faster right after a target step than one chain, but 6-10%
    slower when the table is in the caches (bench/probes/one_row_probe.py, AMX Xeon, 2 threads;
    bench/results/tile_chains/): a target step streams every weight from memory, so three. Each
    output is still one chain over its tiles in order: the bits of a one-chain pass at any row

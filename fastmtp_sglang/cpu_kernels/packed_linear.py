@@ -134,7 +134,8 @@ def _prepares(x: torch.Tensor, w: torch.Tensor) -> bool:
 def prepared_argmax(x: torch.Tensor, w: torch.Tensor, store: dict, key) -> torch.Tensor:
     """``F.linear(x, w).max(-1).indices`` (as :func:`prepared_linear`'s product): on AMX tiles
     without writing the products where the prepared copy is tiled and ``x`` has 1-16 rows
-    (amx.linear_argmax, the same bf16 outputs and the first maximum); the product and a max
+    (amx.linear_argmax: the first maximum of the same bf16 outputs from two rows; at one row of
+    vector sums that may round a near-tie apart); the product and a max
     otherwise."""
     if x.dim() == 2 and 1 <= x.shape[0] <= 16 and _prepares(x, w):
         prepared = _cached(store, key, w)

@@ -127,10 +127,12 @@ class AutoK:
         self.calib: dict[tuple, float] = {}  # keys: _calib_key
         self._ratios: dict[tuple, deque] = {}
         self._catch_up: dict[int, deque] = {}  # ms per deferred position of catch-ups, per batch class
-        # head cycles in a row that each catch-up started, per batch class (_head_share), and
-        # the run under way: [batch class, cycles]
+        # head cycles in a row that each catch-up after K=0 started, per batch class
+        # (_head_share, _track_run), and the run under way
         self._runs: dict[int, deque] = {}
-        self._open_run: list | None = None
+        self._run_median: dict[int, float] = {}  # (kept with _runs: read for every K priced)
+        self._open_run: list | None = None  # [batch class, cycles, opened by a probe]
+        self._probe_next = False  # the K just chosen is a probe (the next observe_cycle's)
         self._prompt_tok: deque = deque(maxlen=self.CALIB_WINDOW)  # ms per prompt token the head read
         self.calibrate = calibrate  # False: trust the curve as given (tests)
 
@@ -346,22 +348,28 @@ class AutoK:
             self.calib[key] = statistics.median(list(window) + [prior] * max(0, 3 - len(window)))
 
     def _track_run(self, k: int, batch: int, head_steps: bool, deferred: int) -> None:
-        """Count the head cycles in a row that each catch-up started (the catch-up's cycle
-        included); a cycle without the head ends the run, and its length is kept for the batch
-        class the catch-up ran at."""
+        """Count the head cycles in a row that each catch-up after K=0 started (the catch-up's
+        cycle included); a K=0 cycle ends the run, and its length is kept for the batch class
+        the catch-up ran at. A cycle on prompt lookup alone neither counts nor ends it (the head
+        catches up on it in the next head cycle, a small catch-up the run already paid for).
+        A run a probe started is not kept: a probe pays its catch-up whole anyway, and failed
+        probes (runs of one) would price every catch-up whole where the head is marginal."""
+        probe, self._probe_next = self._probe_next, False
         if k and head_steps:
-            if deferred:
-                self._close_run()
-                self._open_run = [batch_class(batch), 1]
-            elif self._open_run is not None:
+            if self._open_run is not None:
                 self._open_run[1] += 1
-        else:
+            elif deferred:
+                self._open_run = [batch_class(batch), 1, probe]
+        elif not k:
             self._close_run()
 
     def _close_run(self) -> None:
         if self._open_run is not None:
-            cls, n = self._open_run
-            self._runs.setdefault(cls, deque(maxlen=self.CALIB_WINDOW)).append(n)
+            cls, n, probe = self._open_run
+            if not probe:
+                runs = self._runs.setdefault(cls, deque(maxlen=self.CALIB_WINDOW))
+                runs.append(n)
+                self._run_median[cls] = max(statistics.median(runs), 1.0)
             self._open_run = None
 
     def margin_at(self, batch: int) -> float:
@@ -398,9 +406,9 @@ class AutoK:
         share = self._once_at(once, tokens_per_row)
         if deferred:
             part = max(tokens_per_row, 1.0) / max(left, 1.0)
-            runs = self._runs.get(batch_class(batch))
-            if runs:
-                part = max(part, 1.0 / max(statistics.median(runs), 1.0))
+            run = self._run_median.get(batch_class(batch))
+            if run:
+                part = max(part, 1.0 / run)
             share += self.catch_up_ms(deferred, batch) * min(part, 1.0)
         return share
 
@@ -521,6 +529,7 @@ class AutoK:
                     best = (free / ms, k, [True] * B, False)  # (a row without a proposal: nothing)
         _, k, use, head = best
         if k == 0 and self.probe_due(heads, zero_run, deferred, once):
+            self._probe_next = True
             use = [bool(lk and lk[1]) and expected_tokens(lk[0], 1) > expected_tokens(h, 1)
                    for h, lk in zip(heads, lookups)]
             return 1, use, not all(use)
@@ -534,5 +543,6 @@ class AutoK:
         ``left`` = the cycles the rows have left at one token a cycle (:meth:`_head_share`)."""
         k = self.best(ests, deferred, once, left)
         if k == 0 and self.probe_due(ests, zero_run, deferred, once):
+            self._probe_next = True
             return 1
         return k
