@@ -142,8 +142,8 @@ def test_linear_argmax_is_the_first_maximum_of_the_products(N, K, M, threads):
     """The index of each row's largest bf16 output, as ``linear(...).max(-1).indices`` (the
     first of tied maxima), with rows tied on purpose (duplicated weight rows), at any thread
     count. One row sums on vector units (amx_products.h), which may round a near-tie apart from
-    the tiles: there the pick must be the first maximum of its own sums, within a bf16 step of
-    linear()'s maximum."""
+    the tiles: there the pick must be within a bf16 step of linear()'s maximum and of the exact
+    one, and the first of the duplicated rows' tie."""
     g = torch.Generator().manual_seed(N + K + M)
     w = torch.randn(N, K, generator=g).to(bf)
     if N > 20:
