@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from fastmtp_sglang.benchmark.concurrency import request_budgets
 from fastmtp_sglang.core.draft_dir import make_draft_config, save_draft_dir
 from fastmtp_sglang.decode.auto_setup import AUTO_CEILING
 
@@ -138,8 +139,12 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--repeats", "1", "--max-new-tokens",
                              "5", "--concurrency", "2", "--per-client", "3", "--no-warmup", "--out", out2,
-                             "--no-progress")
+                             "--no-progress", "--length-spread", "0.5")
         assert rc == 0, err
+        rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
+                             prompts, "--raw", "--steps", "0", "--concurrency", "2", "--length-spread",
+                             "1.5", "--out", tmp_path / "r4", "--no-progress")
+        assert rc == 1 and "--length-spread must be in [0, 1)" in err
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--concurrency", "2", "--per-client",
                              "0", "--out", tmp_path / "r3", "--no-progress")
@@ -147,4 +152,10 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
     t2 = json.loads((out2 / "results.json").read_text())["results"]["concurrency"]
     # 3 prompts, 2 clients sending at least 3 each
     assert set(t2) == {"2"} and set(t2["2"]) == {"0"} and t2["2"]["0"]["requests"] == 6
-    assert "6 requests per level and arm (at least 3 per client)" in (out2 / "results.md").read_text()
+    md2 = (out2 / "results.md").read_text()
+    assert "6 requests per level and arm (at least 3 per client)" in md2
+    # --length-spread 0.5 around 5 tokens: each request its own budget in 2..8 (EOS may end one early)
+    assert "2-8 new tokens a request (uniform, mean 5)" in md2
+    res2 = json.loads((out2 / "results.json").read_text())
+    got = sorted(q["tokens"] for q in res2["runs"][0]["requests"])
+    assert len(set(got)) > 1 and max(got) <= 8 and sum(got) <= sum(request_budgets(6, 5, 0.5))

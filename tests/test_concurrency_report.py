@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fastmtp_sglang.benchmark.concurrency import (LevelRun, RequestRecord, against_best_static,
-                                                  markdown, repeat_spread, summarize_levels)
+                                                  level_bodies, markdown, repeat_spread,
+                                                  request_budgets, summarize_levels)
+from fastmtp_sglang.core.errors import FastMTPError
 
 
 def _run(arm: str, level: int, repeat: int, tok_s: float) -> LevelRun:
@@ -48,3 +50,26 @@ def test_the_report_says_when_repeats_are_too_far_apart(table):
     assert "**Noisy run**" in md and "concurrency 16;" in md and "concurrency 1," not in md
     steady = summarize_levels([_run(a, 1, r, TOK[(1, a)][r]) for a in ("0", "auto") for r in (0, 1)])
     assert "Noisy run" not in markdown(steady, {"label": "x"})
+
+
+def test_varied_lengths_give_every_arm_the_same_budgets_around_the_mean():
+    """--length-spread: each request its own budget, uniform within the spread of the mean, the
+    same for every call with the same arguments (so every arm of a level runs the same
+    requests); spread 0 leaves every request at max_new_tokens; a spread of 1 or more is refused."""
+    sampling = {"max_new_tokens": 64, "temperature": 0.0, "seed": 3}
+    a = level_bodies([[1, 2], [3]], 8, 16, sampling, 2, length_spread=0.5)
+    b = level_bodies([[1, 2], [3]], 8, 16, sampling, 2, length_spread=0.5)
+    budgets = [x["sampling_params"]["max_new_tokens"] for x in a]
+    assert budgets == [x["sampling_params"]["max_new_tokens"] for x in b] == request_budgets(16, 64, 0.5, 3)
+    assert len(budgets) == 16 and all(32 <= n <= 96 for n in budgets) and len(set(budgets)) > 4
+    assert sampling["max_new_tokens"] == 64  # the shared dict is not written
+    assert [x["input_ids"] for x in a[:3]] == [[1, 2], [3], [1, 2]]
+    many = request_budgets(4000, 64, 0.5, 0)
+    assert min(many) == 32 and max(many) == 96 and abs(sum(many) / 4000 - 64) < 1.0
+    assert request_budgets(16, 64, 0.5, 4) != budgets  # the seed picks the draws
+    flat = level_bodies([[1]], 4, 4, sampling, 1)
+    assert [x["sampling_params"]["max_new_tokens"] for x in flat] == [64] * 4
+    with pytest.raises(FastMTPError, match=r"--length-spread must be in \[0, 1\)"):
+        request_budgets(4, 64, 1.0)
+    md = markdown(summarize_levels([_run("0", 1, 0, 40.0)]), {"max_new_tokens": 64, "length_spread": 0.5})
+    assert "32-96 new tokens a request (uniform, mean 64)" in md

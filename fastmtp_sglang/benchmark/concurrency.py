@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import queue
+import random
 import statistics
 import threading
 import time
@@ -182,20 +183,48 @@ def _run_clients(one: Callable[[dict[str, Any]], RequestRecord], bodies: list[di
     return wall, records
 
 
+def budget_range(mean: int, spread: float) -> tuple[int, int]:
+    """The smallest and largest budget :func:`request_budgets` draws."""
+    if not 0.0 <= spread < 1.0:
+        raise FastMTPError(f"--length-spread must be in [0, 1), got {spread}")
+    return max(1, round(mean * (1.0 - spread))), max(1, round(mean * (1.0 + spread)))
+
+
+def request_budgets(n: int, mean: int, spread: float, seed: int = 0) -> list[int]:
+    """``n`` requests' token budgets: each drawn uniformly from the integers within ``spread``
+    of ``mean`` (``spread`` 0.5 and ``mean`` 64: 32..96), the same draws for the same
+    arguments, so every arm of a level gets the same requests. ``spread`` 0: all ``mean``."""
+    lo, hi = budget_range(mean, spread)
+    rng = random.Random(f"{seed}:{n}:{mean}:{spread}")
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def level_bodies(prompts: list[list[int]], level: int, per_level: int,
-                 sampling: dict[str, Any], per_client: int = 2) -> list[dict[str, Any]]:
+                 sampling: dict[str, Any], per_client: int = 2,
+                 length_spread: float = 0.0) -> list[dict[str, Any]]:
     """The requests of one level: the prompt list cycled to ``max(per_level, per_client *
     level)`` requests, so every client sends at least ``per_client`` (with 2, a level of 16
-    clients is half ramp-up and drain: every client's second request is its last)."""
+    clients is half ramp-up and drain: every client's second request is its last).
+    ``length_spread`` > 0 gives each request its own budget around ``max_new_tokens``
+    (:func:`request_budgets`): with one budget for all, plain decoding keeps a batch in step
+    (its rows finish in the same cycle and the next prompts join in one prefill), which
+    traffic whose answers differ in length does not."""
     n = max(per_level, per_client * level)
-    return [{"input_ids": list(prompts[i % len(prompts)]), "sampling_params": dict(sampling)}
-            for i in range(n)]
+    bodies = [{"input_ids": list(prompts[i % len(prompts)]), "sampling_params": dict(sampling)}
+              for i in range(n)]
+    if length_spread:
+        budgets = request_budgets(n, int(sampling.get("max_new_tokens", 128)), length_spread,
+                                  int(sampling.get("seed") or 0))
+        for body, budget in zip(bodies, budgets):
+            body["sampling_params"]["max_new_tokens"] = budget
+    return bodies
 
 
 def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[RequestRecord]]]],
                prompts: list[list[int]], levels: list[int], sampling: dict[str, Any],
                per_level: int, repeats: int, warmup: bool = True,
-               progress: bool = True, per_client: int = 2) -> list[LevelRun]:
+               progress: bool = True, per_client: int = 2,
+               length_spread: float = 0.0) -> list[LevelRun]:
     """Every arm at every level, ``repeats`` times, arms rotated. ``runners[arm](bodies, C)``
     runs one closed loop and returns (wall s, records); each level sends at least
     ``per_client`` requests per client (:func:`level_bodies`)."""
@@ -216,7 +245,7 @@ def run_levels(runners: dict[str, Callable[[list[dict], int], tuple[float, list[
         i = 0
         for rep in range(repeats):
             for level in levels:
-                bodies = level_bodies(prompts, level, per_level, sampling, per_client)
+                bodies = level_bodies(prompts, level, per_level, sampling, per_client, length_spread)
                 for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
                     bar.set_postfix_str(f"C={level} {arm}")
                     wall, records, *spec = runners[arm](bodies, level)
@@ -230,7 +259,7 @@ def run_levels_sandwiched(runners: dict[str, Callable[..., tuple]], prompts: lis
                           levels: list[int], sampling: dict[str, Any], block_requests: int, *,
                           per_client: int = 2, bound: float = 0.02, min_rounds: int = 3,
                           max_rounds: int = 12, budget_s: float | None = None, warmup: bool = True,
-                          progress: bool = True, baseline: str = "0",
+                          progress: bool = True, baseline: str = "0", length_spread: float = 0.0,
                           clock: Callable[[], float] = time.perf_counter) -> tuple[list[LevelRun], dict]:
     """Every level as sandwiched blocks (benchmark/sandwich.py): ``block_requests`` requests a
     block (at least ``per_client`` per client), each arm's block between two baseline blocks,
@@ -253,7 +282,7 @@ def run_levels_sandwiched(runners: dict[str, Callable[..., tuple]], prompts: lis
             for arm in arms:
                 runners[arm](level_bodies(prompts, max(levels), max(levels), sampling), max(levels))
         for level in levels:
-            bodies = level_bodies(prompts, level, block_requests, sampling, per_client)
+            bodies = level_bodies(prompts, level, block_requests, sampling, per_client, length_spread)
 
             def run_block(arm: str, rnd: int, level=level, bodies=bodies) -> tuple[int, float]:
                 bar.set_postfix_str(f"C={level} round {rnd} {arm}")
@@ -415,6 +444,15 @@ def sandwich_markdown(table: dict[str, dict[str, Any]], notes: dict[str, dict]) 
     return lines
 
 
+def _lengths(meta: dict[str, Any]) -> str:
+    """"64 new tokens", or with --length-spread "32-96 new tokens a request (uniform, mean 64)"."""
+    mean, spread = meta.get("max_new_tokens", "?"), meta.get("length_spread") or 0.0
+    if not spread or not isinstance(mean, int):
+        return f"{mean} new tokens"
+    lo, hi = budget_range(mean, spread)
+    return f"{lo}-{hi} new tokens a request (uniform, mean {mean})"
+
+
 def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     sandwiched = sandwich_markdown(table, meta.get("sandwich") or {})
     arms = list(dict.fromkeys(a for lv in table.values() for a in lv))
@@ -430,7 +468,7 @@ def markdown(table: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
              f"- engine: {meta.get('engine', '')}",
              f"- {meta.get('prompts', '?')} prompts, {_requests(table, meta)} requests per "
              f"{'block' if sandwiched else 'level and arm'} (at least {meta.get('per_client', 2)} "
-             f"per client), {unit}, {meta.get('max_new_tokens', '?')} new tokens",
+             f"per client), {unit}, {_lengths(meta)}",
              "", f"Server output tokens/s ({how}):", "",
              "| concurrency | " + " | ".join(arms) + " |",
              "|---:|" + "---:|" * len(arms)]

@@ -230,6 +230,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-client", type=int, default=2, help="--concurrency: requests each client "
                    "sends at least, per level and arm (default 2; more keeps a high level's "
                    "ramp-up and drain a smaller part of its time)")
+    p.add_argument("--length-spread", type=float, default=0.0, help="--concurrency: give each "
+                   "request its own token budget, uniform within this fraction of --max-new-tokens "
+                   "(0.5 with 64: 32..96; the same budgets for every arm). Default 0: every request "
+                   "runs to --max-new-tokens, which keeps plain decoding's batch in step")
     p.add_argument("--schedule", choices=("levels", "sandwich"), default="levels",
                    help="--concurrency: 'levels' runs each arm's whole level once per repeat, arms "
                         "rotated; 'sandwich' runs short blocks, each arm's between two K=0 blocks, "

@@ -144,8 +144,9 @@ def cycles_markdown(cycles: dict) -> str:
 
 def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
     """``load(args, cfg)`` -> (target, head, prompts, vocab): cli.bench.load_in_process."""
-    from fastmtp_sglang.benchmark.concurrency import (apply_sandwich, markdown, plot, run_levels,
-                                                      run_levels_sandwiched, summarize_levels)
+    from fastmtp_sglang.benchmark.concurrency import (apply_sandwich, budget_range, markdown, plot,
+                                                      run_levels, run_levels_sandwiched,
+                                                      summarize_levels)
     from fastmtp_sglang.decode.costs import cpu_description
 
     levels = parse_levels(args.concurrency)
@@ -155,6 +156,7 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
     if args.per_client < 1:
         raise FastMTPError(f"--per-client must be >= 1, got {args.per_client}")
     check_sandwich_args(args)
+    budget_range(args.max_new_tokens, args.length_spread)  # a bad spread fails before any load
     runners, prompts, desc, servers, extra = (_servers(args, cfg) if args.url
                                        else _in_process(args, cfg, levels, progress, load))
     per_level = args.requests_per_level or len(prompts)
@@ -165,10 +167,12 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
             runs, verdicts = run_levels_sandwiched(
                 runners, prompts, levels, sampling, args.block_requests, per_client=args.per_client,
                 bound=args.bound, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
-                budget_s=args.level_budget, warmup=cfg.warmup, progress=progress)
+                budget_s=args.level_budget, warmup=cfg.warmup, progress=progress,
+                length_spread=args.length_spread)
         else:
             runs = run_levels(runners, prompts, levels, sampling, per_level, cfg.repeats,
-                              warmup=cfg.warmup, progress=progress, per_client=args.per_client)
+                              warmup=cfg.warmup, progress=progress, per_client=args.per_client,
+                              length_spread=args.length_spread)
     finally:
         for srv in servers:
             srv.shutdown()
@@ -184,6 +188,7 @@ def run_concurrency(args: argparse.Namespace, cfg, load) -> int:
                                f"{cpu['threads']} threads",
         "levels": levels, "prompts": len(prompts), "per_level": per_level, "per_client": args.per_client,
         "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens,
+        "length_spread": args.length_spread,
         "sampling": sampling, "target": args.target, "draft": args.draft,
         **extra,
     }
