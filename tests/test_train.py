@@ -721,3 +721,19 @@ def test_lr_default_depends_on_the_init(tmp_path):
     assert cfg(tmp_path / "missing").lr == TrainConfig().lr
     assert cfg(new, lr=5e-5).lr == 5e-5
     assert cfg(new, saved={"lr": 1e-3}).lr == 1e-3
+
+
+def test_hybrid_aware_weighting_trains_resumes_and_is_recorded(toy, capsys):
+    """--lookup-weight: the covered share is printed, the run trains (loss falls), the config
+    records the weight, and a resume with another weight is refused (it changes the maths)."""
+    target, data, init, root, _ = toy
+    res = train(small_cfg(epochs=2, lookup_weight=0.25), target, data, root / "hyb", init=init,
+                progress=False)
+    assert "prompt lookup covers" in capsys.readouterr().err
+    steps = [r for r in res.log if r["event"] == "step"]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    start = next(r for r in res.log if r["event"] == "start")
+    assert start["config"]["lookup_weight"] == 0.25 and start["config"]["lookup_min_match"] == 2
+    with pytest.raises(FastMTPError, match="lookup_weight"):
+        train(small_cfg(epochs=2, lookup_weight=0.5), target, data, root / "hyb",
+              resume=root / "hyb", progress=False)

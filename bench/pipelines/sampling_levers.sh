@@ -8,6 +8,9 @@
 #   k6    opt-in (ARMS="kl acc k6"): kl trained at K=6 (--steps 6). The head is one block applied
 #         recursively, so a K=3 head trains at K=6 as it is; but the step weights change too
 #         (beta 0.6: step 1 weighs 0.42 instead of 0.51) and a step costs ~2x (~25 min an arm)
+#   hyb   opt-in (ARMS="kl hyb"): kl, hybrid-aware (--lookup-weight LOOKUP_WEIGHT, default 0.25):
+#         a target that prompt lookup (as `--steps auto` runs it) would have proposed right from
+#         the same anchor weighs that much, so the head's capacity goes where lookup is not right
 #
 #   bash bench/pipelines/sampling_levers.sh [WORK]          # WORK default runs/sampling-levers
 #   ARMS="kl acc k6" TOKENS=600000 LR=1e-3 bash bench/pipelines/sampling_levers.sh
@@ -52,6 +55,7 @@ cd "$(dirname "$0")/../.."
 W=${1:-runs/sampling-levers}
 TOKENS=${TOKENS:-600000}      # response tokens per arm (one epoch)
 ARMS=${ARMS:-"kl acc"}
+LOOKUP_WEIGHT=${LOOKUP_WEIGHT:-0.25}  # the hyb arm's weight of targets prompt lookup covers
 LR=${LR:-1e-3}                # warm start: at 3e-3 (head_v8) the held-out walk dipped 1.92 -> 1.86
                               # at step 500 and needed ~2,000 steps to climb back; an arm here has ~1,000
 BATCH=${BATCH:-4}
@@ -70,7 +74,8 @@ for a in $ARMS; do
         kl) arms+=(--arm "kl=--loss kl --kl-topk 32") ;;
         acc) arms+=(--arm "acc=--loss acc --kl-topk 32") ;;
         k6) arms+=(--arm "k6=--loss kl --kl-topk 32 --steps 6") ;;
-        *) echo "ARMS holds kl, acc and/or k6" >&2; exit 1 ;;
+        hyb) arms+=(--arm "hyb=--loss kl --kl-topk 32 --lookup-weight $LOOKUP_WEIGHT") ;;
+        *) echo "ARMS holds kl, acc, k6 and/or hyb" >&2; exit 1 ;;
     esac
 done
 mkdir -p "$W"

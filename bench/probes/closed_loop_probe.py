@@ -3,7 +3,7 @@ prompt as soon as its previous answer finishes, driven the way the reference ser
 the engine (joins between cycles, up to C rows). Times joins and cycles apart, per arm, so an
 arm's loss under load can be split into prefill (joins), cycles and bookkeeping.
 
-    python bench/probes/closed_loop_probe.py --clients 16 --requests 80 --arms 0,auto,auto0 --rounds 3
+    python bench/probes/closed_loop_probe.py --clients 16 --requests 80 --arms 0,auto,auto0 --rounds 3 [--length-spread 0.5]
 
 Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt lookup), ``auto``
 (the hybrid auto engine), ``auto0`` (the same engine with a margin no drafting can beat: what
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from fastmtp_sglang.benchmark.concurrency import request_budgets
 from fastmtp_sglang.cli.demo import shipped_head
 from fastmtp_sglang.core.demo_target import materialize_smollm2
 from fastmtp_sglang.core.draft_dir import load_head
@@ -55,9 +56,11 @@ def _spy_choices():
     AutoK.plan_hybrid = plan_hybrid
 
 
-def run(eng, prompts, clients, requests, tokens):
-    """One closed-loop level; returns a dict of totals."""
+def run(eng, prompts, clients, requests, tokens, spread=0.0):
+    """One closed-loop level; returns a dict of totals. ``spread``: each request its own budget
+    (fastmtp bench --length-spread)."""
     todo = [prompts[i % len(prompts)] for i in range(requests)]
+    budgets = request_budgets(requests, tokens, spread) if spread else [tokens] * requests
     nxt, b, out_tok = 0, None, 0
     t_join = t_step = 0.0
     joins = cycles = rows_sum = 0
@@ -66,7 +69,7 @@ def run(eng, prompts, clients, requests, tokens):
     while nxt < requests or (b is not None and len(b)):
         n = min(waiting, requests - nxt)
         if n:
-            reqs = [Request(list(todo[nxt + i]), SamplingParams(max_new_tokens=tokens, temperature=0.0))
+            reqs = [Request(list(todo[nxt + i]), SamplingParams(max_new_tokens=budgets[nxt + i], temperature=0.0))
                     for i in range(n)]
             keys = list(range(nxt, nxt + n))
             t = time.perf_counter()
@@ -106,6 +109,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     ap.add_argument("--deep", action="store_true", help="auto's K range as fastmtp bench chooses it")
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="each request its own budget within this fraction of --tokens")
     a = ap.parse_args()
     torch.set_num_threads(2)
     _spy_choices()
@@ -141,7 +146,7 @@ def main():
     for rnd in range(a.rounds):
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for arm in order:
-            r = run(engs[arm], prompts, a.clients, a.requests, a.tokens)
+            r = run(engs[arm], prompts, a.clients, a.requests, a.tokens, a.length_spread)
             res[arm].append(r)
             print(f"round {rnd} {arm:>8}: {r['tok_s']:6.1f} tok/s wall {r['wall']:.2f}s join {r['join_s']:.2f}s "
                   f"({r['joins']}) step {r['step_s']:.2f}s ({r['cycles']} cycles, {r['rows']:.1f} rows) "

@@ -145,6 +145,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kl-topk", type=int, help="with --loss kl/acc (or ce+) and --features: "
                    "against the target's cached top-k distribution instead of recomputing its full logits "
                    f"(default {d.kl_topk} = exact)")
+    p.add_argument("--lookup-weight", type=float, help="hybrid-aware weighting for heads served "
+                   "with --steps auto: a target that prompt lookup would have proposed right (a "
+                   "match of --lookup-min-match tokens or more) weighs this much in the loss, so the "
+                   f"head's capacity goes where lookup is not already right (default {d.lookup_weight} = off)")
+    p.add_argument("--lookup-min-match", type=int, help="with --lookup-weight: the shortest lookup "
+                   f"match counted (default {d.lookup_min_match})")
     p.add_argument("--group-by-length", action="store_true", default=None,
                    help="batch sequences of similar length together (less padding, same number of "
                         "batches, batch order still shuffled; default off)")

@@ -76,6 +76,9 @@ class TrainConfig:
     compute_dtype: str = "float32"    # head fwd/bwd under autocast in this dtype; weights, optimizer
                                       # state and evaluation stay fp32
     group_by_length: bool = False     # batches of similar lengths (less padding), order still random
+    lookup_weight: float = 1.0        # hybrid-aware: weight of a target prompt lookup proposes right
+                                      # (training/lookup_cover.py); 1 = every target alike
+    lookup_min_match: int = 2         # ...counting lookup matches of at least this many tokens
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
@@ -120,6 +123,10 @@ class TrainConfig:
             bad.append(f"cache_hidden_gb must be >= 0, got {self.cache_hidden_gb}")
         if self.kl_topk < 0:
             bad.append(f"kl_topk must be >= 0 (0 = exact KL from the hidden states), got {self.kl_topk}")
+        if not 0.0 <= self.lookup_weight <= 1.0:
+            bad.append(f"lookup_weight must lie in [0, 1] (1 = off), got {self.lookup_weight}")
+        if self.lookup_min_match < 1:
+            bad.append(f"lookup_min_match must be >= 1, got {self.lookup_min_match}")
         if bad:
             raise FastMTPError("bad training configuration: " + "; ".join(bad))
 
@@ -136,7 +143,8 @@ class TrainConfig:
 # fields that must not change when a run resumes (they decide data order, schedule and maths)
 RESUME_FIXED = ("steps", "beta", "vanilla", "attention", "loss", "lr", "warmup", "adam_betas",
                 "weight_decay", "grad_clip", "epochs", "max_len", "batch_size", "grad_accum",
-                "heldout_fraction", "max_sequences", "seed", "kl_topk", "group_by_length")
+                "heldout_fraction", "max_sequences", "seed", "kl_topk", "group_by_length",
+                "lookup_weight", "lookup_min_match")
 
 
 def step_weights(steps: int, beta: float) -> list[float]:

@@ -24,6 +24,7 @@ class Example:
     ids: torch.Tensor   # [T] int64 prompt + response
     prompt_len: int
     line: int = 0       # its line in the data file (1-based; 0 = not from a file)
+    cover: torch.Tensor | None = None  # [T] int8 lookup_cover.lookup_cover (hybrid-aware weights)
 
 
 @dataclass
@@ -183,6 +184,7 @@ class Batch:
     prompt_lens: torch.Tensor  # [B]
     topk_ids: torch.Tensor | None = None   # [B, T, k] the target's top-k next tokens at each position
     topk_logp: torch.Tensor | None = None  # [B, T, k] their log-probabilities
+    lookup_cover: torch.Tensor | None = None  # [B, T] int8: prompt lookup's right tokens per anchor
 
 
 class HiddenStates:
@@ -240,7 +242,12 @@ def collate(examples: list[Example], hiddens: list[torch.Tensor], device: torch.
         for i, (ti, tl) in enumerate(topks):
             tk_ids[i, : len(ti)] = ti.to(device)
             tk_lp[i, : len(tl)] = tl.to(device)
-    return Batch(ids, hidden, mask, lengths, prompt_lens, tk_ids, tk_lp)
+    cover = None
+    if all(e.cover is not None for e in examples):
+        cover = torch.zeros(b, t, dtype=torch.int8, device=device)
+        for i, e in enumerate(examples):
+            cover[i, : len(e.cover)] = e.cover.to(device)
+    return Batch(ids, hidden, mask, lengths, prompt_lens, tk_ids, tk_lp, cover)
 
 
 

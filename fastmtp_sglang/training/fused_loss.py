@@ -44,7 +44,8 @@ def _mm_dtype(g: torch.Tensor) -> torch.dtype:
 
 class _ProjectedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g, weight, bias, labels, target_h, topk_ids, topk_logp, kind, chunk, eps):
+    def forward(ctx, g, weight, bias, labels, target_h, topk_ids, topk_logp, kind, chunk, eps,
+                row_w=None):
         cd = _mm_dtype(g)
         w = weight.to(cd)
         gc = g.detach().to(cd)
@@ -65,13 +66,15 @@ class _ProjectedLoss(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1, keepdim=True)
             q = (z - lse).exp_()
             lab = labels[s:e]
+            rw = None if row_w is None else row_w[s:e].to(f)[:, None]  # [n, 1] loss weights
             correct += (z.argmax(-1) == lab).sum()
             if want_ce:
                 ok = lab >= 0
                 safe = lab.clamp(min=0)[:, None]
-                ce += ((lse[:, 0] - z.gather(-1, safe)[:, 0]) * ok).sum()
-                dz = q * ok[:, None]
-                dz.scatter_add_(-1, safe, -ok[:, None].to(dz.dtype))
+                okw = ok[:, None].to(f) if rw is None else ok[:, None] * rw
+                ce += ((lse - z.gather(-1, safe)) * okw).sum()
+                dz = q * okw
+                dz.scatter_add_(-1, safe, -okw)
                 dg_ce[s:e] = dz.to(cd) @ w
             if want_kl:
                 if topk_ids is not None:
@@ -83,14 +86,17 @@ class _ProjectedLoss(torch.autograd.Function):
                     qk = lq.exp() * inside
                     if div == "acc":  # a = dL/dlq
                         alpha = torch.minimum(p, qk).sum(-1)
-                        kl -= alpha.clamp(min=eps).log().sum()
+                        row = -alpha.clamp(min=eps).log()
                         a = -(qk * (qk < p)) * ((alpha > eps) / alpha.clamp(min=eps))[:, None]
                     else:
                         rest_p = (1 - p.sum(-1)).clamp(min=eps)
                         rest_q_raw = 1 - qk.sum(-1)
                         rest_q = rest_q_raw.clamp(min=eps)
-                        kl += ((p * (logp - lq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())).sum()
+                        row = (p * (logp - lq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
                         a = -p + ((rest_q_raw > eps) * rest_p / rest_q)[:, None] * qk
+                    if rw is not None:
+                        row, a = row * rw[:, 0], a * rw
+                    kl += row.sum()
                     dz = q * (-a.sum(-1, keepdim=True))
                     dz.scatter_add_(-1, cols0, a)
                 else:
@@ -102,11 +108,14 @@ class _ProjectedLoss(torch.autograd.Function):
                     if div == "acc":
                         mq = q * (q < p_t)
                         alpha = torch.minimum(p_t, q).sum(-1, keepdim=True)
-                        kl -= alpha.clamp(min=eps).log().sum()
+                        row = -alpha.clamp(min=eps).log()
                         dz = -(mq - q * mq.sum(-1, keepdim=True)) * ((alpha > eps) / alpha.clamp(min=eps))
                     else:
-                        kl += (p_t * (logp_t - (z - lse))).sum()
+                        row = (p_t * (logp_t - (z - lse))).sum(-1, keepdim=True)
                         dz = q - p_t
+                    if rw is not None:
+                        row, dz = row * rw, dz * rw
+                    kl += row.sum()
                 dg_kl[s:e] = dz.to(cd) @ w
         ctx.save_for_backward(dg_ce, dg_kl)
         ctx.g_dtype = g.dtype
@@ -123,13 +132,13 @@ class _ProjectedLoss(torch.autograd.Function):
             grad = dg_kl * grad_kl if grad is None else grad + dg_kl * grad_kl
         if grad is not None:
             grad = grad.to(ctx.g_dtype)
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None
 
 
 def projected_loss(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, g: torch.Tensor,
                    labels: torch.Tensor, target_h: torch.Tensor | None = None,
                    topk_ids: torch.Tensor | None = None, topk_logp: torch.Tensor | None = None,
-                   chunk: int = 256, eps: float = 1e-6
+                   chunk: int = 256, eps: float = 1e-6, row_weights: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE sum over in-table labels, divergence sum (KL or acc), argmax hits) of one step,
     differentiable in ``g``.
@@ -137,6 +146,8 @@ def projected_loss(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, g
     weight [S, H] (bias [S]): the scored lm_head rows, frozen; g [N, H]; labels [N] logit columns
     (-1: outside the table, no CE, a miss); KL is exact from ``target_h`` [N, H] or, with
     ``topk_ids`` (as logit columns, -1 outside) / ``topk_logp`` [N, k], over the top-k partition.
+    ``row_weights`` [N] (default all 1) multiply each row's CE and divergence terms and their
+    gradients (the hybrid-aware weighting: training/lookup_cover.py).
     The values and gradients are objective._chunk_terms's (tests/test_train.py holds them equal).
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
@@ -144,4 +155,4 @@ def projected_loss(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, g
     if divergence(kind) and target_h is None and topk_ids is None:
         raise ValueError("KL and acc need the target's hidden states or its cached top-k")
     return _ProjectedLoss.apply(g, weight, bias, labels, target_h, topk_ids, topk_logp, kind,
-                                max(int(chunk), 1), eps)
+                                max(int(chunk), 1), eps, row_weights)

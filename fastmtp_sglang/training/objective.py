@@ -15,6 +15,7 @@ from fastmtp_sglang.core.head import FastMTPHead, rows_at
 from fastmtp_sglang.training.config import ATTENTIONS, divergence
 from fastmtp_sglang.training.data import Batch, Example, HiddenStates, collate
 from fastmtp_sglang.training.fused_loss import projected_loss
+from fastmtp_sglang.training.lookup_cover import step_weights_at
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,10 +166,10 @@ class Projection:
 
 def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Tensor,
                  target_h: torch.Tensor | None, topk_ids: torch.Tensor | None = None,
-                 topk_logp: torch.Tensor | None = None
+                 topk_logp: torch.Tensor | None = None, row_w: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE sum over in-table labels, divergence sum, correct count) of one chunk. g [N, H],
-    labels [N].
+    labels [N]; ``row_w`` [N] weighs each row's terms (default 1).
 
     The divergence (config.divergence(kind)) is KL(p || q), or with "acc" -log of the acceptance
     rate alpha = sum_x min(p_x, q_x), what sampled verification accepts of a draft token: the
@@ -180,7 +181,12 @@ def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Ten
     bound, acceptance_topk). alpha is clamped at ``eps`` (a row with no overlap: no gradient)."""
     logits = proj(g)                                                        # [N, S]
     zero = logits.new_zeros(())
-    ce = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum") if "ce" in kind else zero
+
+    def wsum(rows: torch.Tensor) -> torch.Tensor:
+        return (rows * row_w.to(rows.dtype)).sum() if row_w is not None else rows.sum()
+
+    ce = (wsum(F.cross_entropy(logits, labels, ignore_index=-1, reduction="none"))
+          if "ce" in kind else zero)
     kl = zero
     div = divergence(kind)
     if div:
@@ -188,17 +194,17 @@ def _chunk_terms(proj: Projection, kind: str, g: torch.Tensor, labels: torch.Ten
         if topk_ids is not None:
             cols = proj.labels(topk_ids)
             if div == "kl":
-                kl = kl_topk_terms(logq, cols, topk_logp).sum()
+                kl = wsum(kl_topk_terms(logq, cols, topk_logp))
             else:
-                kl = -acceptance_topk(logq, cols, topk_logp).clamp(min=1e-6).log().sum()
+                kl = wsum(-acceptance_topk(logq, cols, topk_logp).clamp(min=1e-6).log())
         else:
             with torch.no_grad():
                 logp_t = F.log_softmax(proj(target_h), dim=-1)              # [N, S]
             if div == "kl":
-                kl = (logp_t.exp() * (logp_t - logq)).sum()
+                kl = wsum((logp_t.exp() * (logp_t - logq)).sum(-1))
             else:
                 alpha = torch.minimum(logp_t.exp(), logq.exp()).sum(-1)
-                kl = -alpha.clamp(min=1e-6).log().sum()
+                kl = wsum(-alpha.clamp(min=1e-6).log())
     correct = (logits.detach().argmax(-1) == labels).sum()
     return ce, kl, correct
 
@@ -235,7 +241,8 @@ def acceptance_topk(logq: torch.Tensor, cols: torch.Tensor, logp: torch.Tensor) 
 
 def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
                     target_h: torch.Tensor | None = None, kind: str = "ce", chunk: int = 1024,
-                    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+                    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    row_w: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's loss sums over N selected positions, in chunks of ``chunk`` rows.
 
@@ -243,22 +250,25 @@ def step_loss_terms(proj: Projection, g: torch.Tensor, labels: torch.Tensor,
     no CE, counted wrong); target_h : [N, H] the target's hidden states whose logits predict the
     same tokens (needed for KL). Each chunk is projected and scored with its gradient in one pass
     (training/fused_loss.py: no [N, V] logits are kept for backward, none recomputed);
-    ``chunk=0`` computes everything through autograd in one pass (the reference).
+    ``chunk=0`` computes everything through autograd in one pass (the reference). ``row_w`` [N]
+    weighs each position's terms (default 1).
 
     Returns (CE sum, KL sum, number of argmax hits), each a 0-d tensor.
     """
     n = g.shape[0]
     ti, tl = topk if topk is not None else (None, None)
     if chunk <= 0 or n == 0:
-        return _chunk_terms(proj, kind, g, labels, target_h, ti, tl)
+        return _chunk_terms(proj, kind, g, labels, target_h, ti, tl, row_w)
     return projected_loss(proj.weight, proj.bias, kind, g, labels, target_h,
-                          proj.labels(ti) if ti is not None else None, tl, chunk)
+                          proj.labels(ti) if ti is not None else None, tl, chunk,
+                          row_weights=row_w)
 
 
 def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, weights: list[float],
                kind: str = "ce", attention: str = "serve", chunk: int = 1024,
                labels: torch.Tensor | None = None,
-               denominators: tuple[list[int], list[int]] | None = None
+               denominators: tuple[list[int], list[int]] | None = None,
+               lookup_weight: float = 1.0
                ) -> tuple[torch.Tensor, dict[str, list]]:
     """sum_k w_k L_k over one batch, and per-step statistics.
 
@@ -267,6 +277,8 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
     ``denominators`` (scored targets, in-table targets) per step are what L_k's means divide by;
     default this batch's own counts. A data-parallel rank passes its global batch's
     (training.parallel.token_counts), so the ranks' losses sum to the global batch's.
+    ``lookup_weight`` < 1 with ``batch.lookup_cover``: a target prompt lookup would have proposed
+    right weighs that much (training/lookup_cover.py); the means still divide by the counts.
 
     Returns (loss, stats) with stats lists over steps: ``loss`` (L_k), ``correct``, ``targets``
     (scored positions), ``in_table`` (targets inside a compressed vocabulary).
@@ -292,7 +304,10 @@ def batch_loss(head: FastMTPHead, batch: Batch, proj: Projection, steps: int, we
         elif divergence(kind):
             # h_{j+k} predicts x_{j+k+1} (the last H columns: a fused head's input starts with aux layers)
             th = at(shift_left(batch.hidden[..., -g.shape[-1]:], k), idx)[sel]
-        ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk)
+        rw = None
+        if lookup_weight != 1.0 and batch.lookup_cover is not None:
+            rw = at(step_weights_at(batch.lookup_cover, k, lookup_weight), idx)[sel]
+        ce, kl, hit = step_loss_terms(proj, g[sel], lab, th, kind, chunk, tk, rw)
         n = int(sel.sum())
         n_in = int((lab >= 0).sum())
         d, d_in = ((n, n_in) if denominators is None

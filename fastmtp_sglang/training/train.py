@@ -78,6 +78,7 @@ from fastmtp_sglang.training.config import TrainConfig, autocast, divergence, re
 from fastmtp_sglang.training.data import (HiddenStates, TrainData, collate, epoch_batches,
                                           file_sha256, load_examples, split_heldout)
 from fastmtp_sglang.training.features import INDEX, open_or_build
+from fastmtp_sglang.training.lookup_cover import mark_lookup_cover
 from fastmtp_sglang.training.objective import Projection, batch_loss, evaluate
 
 
@@ -224,6 +225,8 @@ def _load_data(cfg: TrainConfig, target, data: Path, proj: Projection,
         raise FastMTPError(f"{data} is not the data file the checkpoint was trained on "
                            f"(sha256 differs): resume with the same --data")
     train_idx, held_idx = split_heldout(len(examples), cfg.heldout_fraction, cfg.seed)
+    if cfg.lookup_weight != 1.0:
+        mark_lookup_cover([examples[i] for i in train_idx], cfg.train_steps, cfg.lookup_min_match)
     if not train_idx:
         raise FastMTPError(f"{data}: no usable training rows ({counts.lines} lines, "
                            f"{counts.skipped()} skipped: {asdict(counts)})")
@@ -394,7 +397,8 @@ def _optimizer_step(run: RunState, feed: _Feed, group: list[list[int]], n_batche
                         feed.topks_of(idxs))
         with autocast(run.device, cfg.compute_dtype):
             loss, st = batch_loss(head, batch, run.proj, steps, cfg.weights, cfg.loss,
-                                  cfg.attention, cfg.ce_chunk, denominators=counts)
+                                  cfg.attention, cfg.ce_chunk, denominators=counts,
+                                  lookup_weight=cfg.lookup_weight)
         (loss / len(group)).backward()
         loss_sum += float(loss.detach()) / len(group)
         for key, vals in st.items():
