@@ -241,12 +241,20 @@ class AutoK:
         (1 before any), or, when larger, its own ratio at the class below. At long contexts a
         verify of K+1 tokens per row pays attention over K+1 queries where the curve's short
         ones barely did, so a drafting K falls further behind its price than K=0 does, and more
-        so the more rows: a K first run at 16 rows is priced at least as it ran at 8."""
+        so the more rows: a K first run at 16 rows is priced at least as it ran at 8, and at
+        least at the median ratio of the Ks of its kind (head or lookup) already run at 16."""
         k, cls = key[0], key[1]
         own = self.calib.get((0, cls), 1.0)
         if k and cls > 1:
             below = self._calib_key(k, cls // 2, head_steps=not key[2:])
             own = max(own, self.calib.get(below, own))
+            # and, when larger, the median of the other drafting Ks of its kind already run at
+            # its class: under load the Ks a hybrid spreads its cycles over ran 1.4-2.3x their
+            # price alike, and each K's own first cycles had been priced at K=0's ratio
+            sib = [r for kk, r in self.calib.items()
+                   if kk[0] and kk[1] == cls and kk[2:] == key[2:] and kk != key]
+            if sib:
+                own = max(own, statistics.median(sib))
         return own
 
     @staticmethod
