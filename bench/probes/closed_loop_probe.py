@@ -10,7 +10,10 @@ Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt look
 auto's machinery costs when it never drafts), ``autoW`` (the same engine with each catch-up
 spread over the rows' whole budgets, as before 2026-12-06, not capped by the head cycles that
 followed catch-ups: AutoK._head_share). ``--deep``: auto's K range from this machine's costs,
-as ``fastmtp bench --steps auto`` runs it (default: K <= 3). Rounds rotate the arms' order. Direction only:
+as ``fastmtp bench --steps auto`` runs it (default: K <= 3). Rounds rotate the arms' order.
+``--interleave``: every arm's loop runs at once, one cycle of each in turn, so the machine's
+speed changes hit every arm alike (each arm is timed on its own joins and cycles; the arms
+share the target's weights, so none finds them colder than another). Direction only:
 the bench (``fastmtp bench --concurrency``) is the measurement.
 """
 import argparse
@@ -56,16 +59,15 @@ def _spy_choices():
     AutoK.plan_hybrid = plan_hybrid
 
 
-def run(eng, prompts, clients, requests, tokens, spread=0.0):
-    """One closed-loop level; returns a dict of totals. ``spread``: each request its own budget
-    (fastmtp bench --length-spread)."""
+def loop(eng, prompts, clients, requests, tokens, spread, st):
+    """One closed-loop level as a generator that yields after each cycle; its totals go into
+    ``st`` (join and cycle seconds are its own, whatever runs between its cycles). ``spread``:
+    each request its own budget (fastmtp bench --length-spread)."""
     todo = [prompts[i % len(prompts)] for i in range(requests)]
     budgets = request_budgets(requests, tokens, spread) if spread else [tokens] * requests
-    nxt, b, out_tok = 0, None, 0
-    t_join = t_step = 0.0
-    joins = cycles = rows_sum = 0
+    nxt, b = 0, None
+    st.update(join_s=0.0, step_s=0.0, joins=0, cycles=0, rows_sum=0, out_tok=0)
     waiting = min(clients, requests)  # clients with a request ready to join
-    t0 = time.perf_counter()
     while nxt < requests or (b is not None and len(b)):
         n = min(waiting, requests - nxt)
         if n:
@@ -77,27 +79,54 @@ def run(eng, prompts, clients, requests, tokens, spread=0.0):
                 b = eng.start(reqs, keys)
             else:
                 eng.join(b, reqs, keys)
-            t_join += time.perf_counter() - t
-            joins += 1
+            st["join_s"] += time.perf_counter() - t
+            st["joins"] += 1
             nxt += n
             waiting -= n
         t = time.perf_counter()
-        rows_sum += len(b)
+        st["rows_sum"] += len(b)
         nc = len(CHOICES)
         outs = {id(r): len(r.out) for r in b.rows}
         rows = list(b.rows)
         done = eng.step(b)
         dt = time.perf_counter() - t
-        t_step += dt
+        st["step_s"] += dt
         if len(CHOICES) > nc:  # a drafting cycle: what it emitted and took
             CHOICES[-1] += [sum(len(r.out) - outs[id(r)] for r in rows), 1e3 * dt]
-        cycles += 1
+        st["cycles"] += 1
         for _, res in done:
-            out_tok += len(res.output_ids)
+            st["out_tok"] += len(res.output_ids)
             waiting += 1
-    wall = time.perf_counter() - t0
-    return dict(wall=wall, tok_s=out_tok / wall, join_s=t_join, step_s=t_step, joins=joins,
-                cycles=cycles, rows=rows_sum / max(cycles, 1), other_s=wall - t_join - t_step)
+        yield
+
+
+def _totals(st, wall):
+    return dict(wall=wall, tok_s=st["out_tok"] / wall, join_s=st["join_s"], step_s=st["step_s"],
+                joins=st["joins"], cycles=st["cycles"], rows=st["rows_sum"] / max(st["cycles"], 1),
+                other_s=wall - st["join_s"] - st["step_s"])
+
+
+def run(eng, prompts, clients, requests, tokens, spread=0.0):
+    """One closed-loop level alone; returns a dict of totals."""
+    st: dict = {}
+    t0 = time.perf_counter()
+    for _ in loop(eng, prompts, clients, requests, tokens, spread, st):
+        pass
+    return _totals(st, time.perf_counter() - t0)
+
+
+def run_interleaved(engs, order, prompts, clients, requests, tokens, spread=0.0):
+    """Every arm's closed loop at once, one cycle of each in turn (``order``), so a machine that
+    slows or speeds up does so for every arm alike; an arm's time is its own joins and cycles."""
+    sts = {arm: {} for arm in order}
+    gens = {arm: loop(engs[arm], prompts, clients, requests, tokens, spread, sts[arm]) for arm in order}
+    while gens:
+        for arm in [a for a in order if a in gens]:
+            try:
+                next(gens[arm])
+            except StopIteration:
+                del gens[arm]
+    return {arm: _totals(st, st["join_s"] + st["step_s"]) for arm, st in sts.items()}
 
 
 def main():
@@ -109,6 +138,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     ap.add_argument("--deep", action="store_true", help="auto's K range as fastmtp bench chooses it")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the arms' loops at once, one cycle of each in turn (paired timing)")
     ap.add_argument("--length-spread", type=float, default=0.0,
                     help="each request its own budget within this fraction of --tokens")
     a = ap.parse_args()
@@ -145,8 +176,11 @@ def main():
     res = {arm: [] for arm in names}
     for rnd in range(a.rounds):
         order = names[rnd % len(names):] + names[: rnd % len(names)]
+        inter = (run_interleaved(engs, order, prompts, a.clients, a.requests, a.tokens, a.length_spread)
+                 if a.interleave else None)
         for arm in order:
-            r = run(engs[arm], prompts, a.clients, a.requests, a.tokens, a.length_spread)
+            r = inter[arm] if inter else run(engs[arm], prompts, a.clients, a.requests, a.tokens,
+                                             a.length_spread)
             res[arm].append(r)
             print(f"round {rnd} {arm:>8}: {r['tok_s']:6.1f} tok/s wall {r['wall']:.2f}s join {r['join_s']:.2f}s "
                   f"({r['joins']}) step {r['step_s']:.2f}s ({r['cycles']} cycles, {r['rows']:.1f} rows) "
