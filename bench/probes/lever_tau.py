@@ -11,6 +11,11 @@ beside other work.
 ``--widths``: also draft with leaves (decode/leaves.py), each width a run of its own, keyed
 ``name+wW`` (width 1 keeps the head's own name).
 
+``--draft-temp-scales``: also sample the head's drafts at the request's temperature times each
+scale (q = softmax(z / (T s)) over the table; verification is unchanged, so the output stays the
+target's whatever q is), keyed ``name@sS``: whether a sharper or flatter draft distribution
+overlaps the target's more when sampling.
+
 tau = tokens emitted in decode cycles / cycles, over all requests (docs/design.md section 2), with
 the per-position acceptance A_k; each head drafts over its own tables, bf16 where native.
 """
@@ -34,6 +39,8 @@ def main() -> int:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--widths", default="1", help="candidates per drafted position, comma-separated")
+    ap.add_argument("--draft-temp-scales", default="1", help="comma-separated: the draft's "
+                    "temperature as a multiple of the request's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -58,12 +65,37 @@ def main() -> int:
         head = load_head(d, t.embed, t.lm_head, dtype=getattr(torch, dtype))
         vocab = resolve_vocab(None, t.tokenizer, t.lm_head, draft_dir=d)
         for w in (int(x) for x in args.widths.split(",")):
-            _tau_at(res, name if w == 1 else f"{name}+w{w}",
-                    ReferenceEngine(t, head, args.steps, draft_vocab=vocab, width=w), temps, prompts, args)
+            for sc in (float(x) for x in args.draft_temp_scales.split(",")):
+                key = (name if w == 1 else f"{name}+w{w}") + ("" if sc == 1.0 else f"@s{sc:g}")
+                with _draft_temp_scale(sc):
+                    _tau_at(res, key, ReferenceEngine(t, head, args.steps, draft_vocab=vocab, width=w),
+                            [x for x in temps if x > 0 or sc == 1.0], prompts, args)
         del head
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
+
+
+class _draft_temp_scale:
+    """Within: the head's sampled drafts over a table at temperature x ``scale`` (probe only)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __enter__(self):
+        from fastmtp_sglang.decode import batch
+
+        self.real = real = batch.sample_draft
+        sc = self.scale
+        if sc != 1.0:
+            batch.sample_draft = lambda vocab, g, tidx, extra, temp, top_p, top_k, gens: real(
+                vocab, g, tidx, extra, temp * sc, top_p, top_k, gens)
+        return self
+
+    def __exit__(self, *exc):
+        from fastmtp_sglang.decode import batch
+
+        batch.sample_draft = self.real
 
 
 def _tau_at(res: dict, name: str, eng, temps: list[float], prompts, args) -> None:

@@ -4,7 +4,8 @@ prompt synthesis and the initialisation of a new head.
 Owns: distillation (``distill``, ``distill_config``, ``distill_prompts``, ``distill_filters``,
 ``distill_io``, ``distill_drivers``, ``distill_loop``), the feature cache (``features``,
 ``features_reuse``, ``features_server``), the trainer (``config``, ``data``, ``objective``,
-``fused_loss``, ``checkpoints``, ``parallel``, ``train``), ``curve`` (learning curves),
+``fused_loss``, ``lookup_cover`` (the hybrid-aware weighting), ``checkpoints``, ``parallel``,
+``train``), ``curve`` (learning curves),
 ``synth_prompts`` (prompts for the task kinds instruction sets lack), ``init_head`` (a new head
 for a target without an MTP layer).
 

@@ -26,13 +26,14 @@ from fastmtp_sglang.decode.ngram import NgramDrafter, NgramIndex
 AUTO_NGRAM = NgramDrafter(max_ngram=4)
 
 
-def lookup_cover(ids: list[int], prompt_len: int, steps: int, min_match: int = 2,
-                 drafter: NgramDrafter = AUTO_NGRAM) -> torch.Tensor:
-    """[len(ids)] int8: at anchor j, how many of x_{j+2}..x_{j+steps+1} prompt lookup proposes
-    right from x_0..x_{j+1} (0 where its match is shorter than ``min_match``, and at anchors
-    whose step-1 target is not a response token)."""
+def lookup_proposals(ids: list[int], prompt_len: int, steps: int,
+                     drafter: NgramDrafter = AUTO_NGRAM) -> tuple[torch.Tensor, torch.Tensor]:
+    """(right, match), each [len(ids)] int8: at anchor j, how many of x_{j+2}..x_{j+steps+1}
+    prompt lookup proposes right from x_0..x_{j+1}, and the length of the suffix it matched
+    (0: no proposal). Both 0 at anchors whose step-1 target is not a response token."""
     n = len(ids)
-    cover = torch.zeros(n, dtype=torch.int8)
+    right = torch.zeros(n, dtype=torch.int8)
+    match = torch.zeros(n, dtype=torch.int8)
     index = NgramIndex(drafter)
     prompt = ids[:prompt_len]
     first = max(prompt_len - 2, 0)  # the first anchor whose step-1 target x_{j+2} is a response token
@@ -42,15 +43,25 @@ def lookup_cover(ids: list[int], prompt_len: int, steps: int, min_match: int = 2
             out.append(ids[prompt_len + len(out)])
         index.sync(prompt, out)
         prop, m = index.propose_match(steps)
-        if m < min_match:
+        if not prop:
             continue
-        right = 0
+        match[j] = m
+        r = 0
         for a, b in zip(prop, ids[j + 2:j + 2 + steps]):
             if a != b:
                 break
-            right += 1
-        cover[j] = right
-    return cover
+            r += 1
+        right[j] = r
+    return right, match
+
+
+def lookup_cover(ids: list[int], prompt_len: int, steps: int, min_match: int = 2,
+                 drafter: NgramDrafter = AUTO_NGRAM) -> torch.Tensor:
+    """[len(ids)] int8: at anchor j, how many of x_{j+2}..x_{j+steps+1} prompt lookup proposes
+    right from x_0..x_{j+1} (0 where its match is shorter than ``min_match``, and at anchors
+    whose step-1 target is not a response token)."""
+    right, match = lookup_proposals(ids, prompt_len, steps, drafter)
+    return torch.where(match >= min_match, right, torch.zeros_like(right))
 
 
 def step_weights_at(cover: torch.Tensor, k: int, weight: float) -> torch.Tensor:
