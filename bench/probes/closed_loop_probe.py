@@ -9,7 +9,8 @@ Arms: an integer K (the head at K; 0 = plain decoding), ``lookupK`` (prompt look
 (the hybrid auto engine), ``auto0`` (the same engine with a margin no drafting can beat: what
 auto's machinery costs when it never drafts), ``autoW`` (the same engine with each catch-up
 spread over the rows' whole budgets, as before 2026-12-06, not capped by the head cycles that
-followed catch-ups: AutoK._head_share). ``--deep``: auto's K range from this machine's costs,
+followed catch-ups: AutoK._head_share), ``autoP`` (an unseen K priced as before 2026-12-06:
+from K=0's ratio, not its kind's: AutoK._inherited). ``--deep``: auto's K range from this machine's costs,
 as ``fastmtp bench --steps auto`` runs it (default: K <= 3). Rounds rotate the arms' order.
 ``--interleave``: every arm's loop runs at once, one cycle of each in turn, so the machine's
 speed changes hit every arm alike (each arm is timed on its own joins and cycles; the arms
@@ -19,6 +20,7 @@ the bench (``fastmtp bench --concurrency``) is the measurement.
 import argparse
 import statistics
 import time
+import types
 
 import torch
 
@@ -36,6 +38,7 @@ from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
 
 CHOICES = []  # auto's drafting choices: (rows, K, predicted tokens, predicted ms, K=0's predicted ms)
+OWNERS = []   # the AutoK that made each choice (arms interleaved share CHOICES)
 
 
 def _spy_choices():
@@ -55,8 +58,20 @@ def _spy_choices():
                     tot += expected_tokens(h, k)
             ms = self.cycle_ms(k, len(heads), head_steps=head, deferred=deferred if head else 0, once=once)
             CHOICES.append([len(heads), k, tot, ms, self.cycle_ms(0, len(heads)), head])
+            OWNERS.append(id(self))
         return k, use, head
     AutoK.plan_hybrid = plan_hybrid
+
+
+def _inherited_before(self, key):
+    """AutoK._inherited before 2026-12-06: K=0's ratio at the class, or the same K's at the class
+    below, not the ratios of the other Ks of its kind at the class (the autoP arm)."""
+    k, cls = key[0], key[1]
+    own = self.calib.get((0, cls), 1.0)
+    if k and cls > 1:
+        below = self._calib_key(k, cls // 2, head_steps=not key[2:])
+        own = max(own, self.calib.get(below, own))
+    return own
 
 
 def loop(eng, prompts, clients, requests, tokens, spread, st):
@@ -163,6 +178,8 @@ def main():
                 eng.auto.margin = 0.99
             if arm == "autoW":
                 eng.auto._track_run = lambda *args: None
+            if arm == "autoP":
+                eng.auto._inherited = types.MethodType(_inherited_before, eng.auto)
         elif arm.startswith("lookup"):
             eng = ReferenceEngine(target, None, int(arm[6:]), None, drafter=NgramDrafter())
         else:
@@ -191,11 +208,11 @@ def main():
         print(f"{arm:>8}: median {statistics.median(x['tok_s'] for x in res[arm]):.1f} tok/s, "
               f"vs {names[0]} {statistics.median(rat):.3f} ({', '.join(f'{v:.3f}' for v in rat)})")
         e = engs[arm]
-        if arm == "auto":
+        if arm in ("auto", "autoP"):
             from fastmtp_sglang.decode.auto import batch_class
             by = {}
-            for c in CHOICES:
-                if len(c) == 8:
+            for c, owner in zip(CHOICES, OWNERS):
+                if len(c) == 8 and owner == id(e.auto):
                     by.setdefault((batch_class(c[0]), c[1], c[5]), []).append(c)
             for key, cs in sorted(by.items()):
                 n = len(cs)

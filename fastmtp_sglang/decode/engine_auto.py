@@ -42,11 +42,12 @@ class AutoDrafting:
         if not self.hybrid:
             return self.auto.choose([r.est for r in rows], b.zero_run, b.deferred_positions(),
                                     self._prompts_once(rows), self._cycles_left(rows))
-        if not self.auto.room(len(rows)) or self._plan_backs_off(b):
-            # no source could pay at this batch size, not even for rows as good as its best
-            # shared estimate (AutoK.room, the rule probes follow), or the last plans at this
-            # size all found K=0: K=0 without computing proposals (their cost: docs/design.md
-            # section 6.8, "The margin grows with the batch" and "Where auto's cycles go under load")
+        if self._plan_backs_off(b) or not self.auto.room(len(rows)):
+            # the last plans at this size all found K=0, or no source could pay at this batch
+            # size, not even for rows as good as its best shared estimate (AutoK.room, the rule
+            # probes follow): K=0 without computing proposals (their cost: docs/design.md
+            # section 6.8, "The margin grows with the batch" and "Where auto's cycles go under
+            # load"). The back-off is asked first: it is a few comparisons, room prices every K
             b.plan, b.plan_head = [(False, 0, [])] * len(rows), False
             return 0
         b.plan_rows = len(rows)
