@@ -395,14 +395,16 @@ def test_at_one_row_every_drafting_k_follows_the_cycles_of_any():
         auto.observe_cycle(2, 1, 1.3 * FLAT.verify_at(3, 1), head_steps=False)  # prompt lookup's own
     assert auto.cycle_ms(2, 1) == pytest.approx(FLAT.cycle_ms(2))
     assert auto.cycle_ms(1, 1, head_steps=False) == pytest.approx(1.3 * FLAT.verify_at(2, 1))
-    for _ in range(15):  # at 4 rows: per K (a K not yet run there starts from its siblings')
+    for _ in range(15):  # at 4 rows: per K (a K not yet run there starts from smaller ones')
         auto.observe_cycle(2, 4, 1.5 * FLAT.cycle_ms(2, 4))
     assert auto.cycle_ms(2, 4) == pytest.approx(1.5 * FLAT.cycle_ms(2, 4))
-    assert auto.cycle_ms(1, 4) == pytest.approx(1.5 * FLAT.cycle_ms(1, 4))
+    assert auto.cycle_ms(1, 4) == pytest.approx(FLAT.cycle_ms(1, 4))
+    assert auto.cycle_ms(3, 4) == pytest.approx(1.5 * FLAT.cycle_ms(3, 4))
     for _ in range(15):
         auto.observe_cycle(1, 4, FLAT.cycle_ms(1, 4))
     assert auto.cycle_ms(1, 4) == pytest.approx(FLAT.cycle_ms(1, 4))
     assert auto.cycle_ms(2, 4) == pytest.approx(1.5 * FLAT.cycle_ms(2, 4))
+    assert auto.cycle_ms(3, 4) == pytest.approx(1.25 * FLAT.cycle_ms(3, 4))  # median of 1 and 1.5
 
 
 def test_calibration_is_kept_per_batch_size_class():
@@ -486,8 +488,10 @@ def test_an_uncalibrated_k_inherits_k0s_overhead_at_its_batch_class():
 
 def test_an_uncalibrated_k_inherits_its_kinds_ratio_at_its_class():
     """Lookup cycles at K=2 and K=4 of 16 rows took 2x and 2.4x their price: a lookup K not yet
-    run there starts from their median (2.2x), not K=0's ratio (1.2x); a head K at 16 rows
-    (the other kind) and a lookup K at 8 rows (another class) keep what they had."""
+    run there starts from the median of the smaller ones (K=5: 2.2x; K=3: 2x), not K=0's ratio
+    (1.2x); K=1, smaller than both, keeps K=0's (a larger K's ratio could price it out for
+    good); a head K at 16 rows (the other kind) and a lookup K at 8 rows (another class) keep
+    what they had."""
     auto = AutoK(FLAT, 8)
     for _ in range(20):
         auto.observe_cycle(0, 16, 1.2 * FLAT.cycle_ms(0, 16))
@@ -498,6 +502,8 @@ def test_an_uncalibrated_k_inherits_its_kinds_ratio_at_its_class():
         auto.observe_cycle(2, 16, 2.0 * lk(2, 16), head_steps=False)
         auto.observe_cycle(4, 16, 2.4 * lk(4, 16), head_steps=False)
     assert auto.cycle_ms(5, 16, head_steps=False) == pytest.approx(2.2 * lk(5, 16))
+    assert auto.cycle_ms(3, 16, head_steps=False) == pytest.approx(2.0 * lk(3, 16))  # smaller Ks only
+    assert auto.cycle_ms(1, 16, head_steps=False) == pytest.approx(1.2 * lk(1, 16))  # none smaller
     assert auto.cycle_ms(5, 16) == pytest.approx(1.2 * auto._model_ms(5, 16, True, 0))
     assert auto.cycle_ms(5, 8, head_steps=False) == pytest.approx(1.2 * lk(5, 8))
     # a K's own cycles take over from what it inherited

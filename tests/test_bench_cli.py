@@ -139,7 +139,7 @@ def test_bench_concurrency_in_process_and_against_a_server(llama_target, tmp_pat
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--repeats", "1", "--max-new-tokens",
                              "5", "--concurrency", "2", "--per-client", "3", "--no-warmup", "--out", out2,
-                             "--no-progress", "--length-spread", "0.5")
+                             "--no-progress", "--length-spread", "0.5", "--seed", "0")
         assert rc == 0, err
         rc, _, err = run_cli("bench", "--url", srv.url, "--target", llama_target.path, "--prompts",
                              prompts, "--raw", "--steps", "0", "--concurrency", "2", "--length-spread",

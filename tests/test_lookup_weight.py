@@ -1,8 +1,9 @@
 """The hybrid-aware loss weighting (training/lookup_cover.py): which targets prompt lookup
 covers (held against the drafter auto serves with, anchor by anchor), the weighted fused loss
 against the weighted autograd reference (values and gradients), a weight of 1 leaving the loss
-unchanged, a weight of 0 removing exactly the covered targets' gradient, and a training run
-with the flag.
+unchanged, a covered step weighing W and the others 1 (per step, in the trainer's batch loss),
+a weight of 0 removing exactly those rows' gradient in the fused loss, and a checkpoint from
+before the flag resuming. (A training run with the flag: tests/test_train.py.)
 
 Run: .venv/bin/pytest tests/test_lookup_weight.py
 """
@@ -61,9 +62,12 @@ def test_cover_share_counts_the_scored_targets(capsys):
     exs = [Example(torch.tensor(_copy_heavy(60, s)), 6) for s in range(3)]
     shares = mark_lookup_cover(exs, K, 2)
     assert all(e.cover is not None and len(e.cover) == 60 for e in exs)
-    # step 1 scores x_{j+2} for anchors j in [prompt_len - 2, n - 2)
-    want = sum(int((e.cover[4:58] >= 1).sum()) for e in exs) / (3 * 54)
-    assert shares[0] == pytest.approx(want) and shares[0] >= shares[1] >= shares[2] > 0
+    # step k scores x_{j+k+1} for anchors j in [max(prompt_len, k + 1) - k - 1, n - k - 1)
+    for k in range(1, K + 1):
+        lo, hi = 6 - k - 1, 60 - k - 1
+        want = sum(int((e.cover[lo:hi] >= k).sum()) for e in exs) / (3 * (hi - lo))
+        assert shares[k - 1] == pytest.approx(want)
+    assert shares[0] >= shares[1] >= shares[2] > 0
     assert "prompt lookup covers" in capsys.readouterr().err
 
 
@@ -131,8 +135,40 @@ def test_weight_one_changes_nothing_and_lower_weights_lower_the_loss():
     torch.testing.assert_close(_grads(head, plain, proj, 0.0)[0], ref[0], atol=0, rtol=0)
 
 
+def test_a_covered_step_weighs_w_and_the_others_one():
+    """cover = c at every anchor covers steps 1..c: at weight 0 their losses L_k are 0 and the
+    later steps' are exactly those of weight 1 (the comparison runs the right way in k); a row
+    without a cover in the batch counts as covering nothing."""
+    target = tiny_target()
+    head = random_head(target).train()
+    proj = Projection(target.lm_head)
+    batch = _batch(target, True)
+    ref = _grads(head, batch, proj, 1.0)[2]["loss"]
+    for c in (1, 2):
+        batch.lookup_cover = torch.full_like(batch.lookup_cover, c)
+        got = _grads(head, batch, proj, 0.0)[2]["loss"]
+        assert got[:c] == [0.0] * c and got[c:] == pytest.approx(ref[c:], rel=1e-6)
+    # a batch mixing rows with and without covers: the row without one keeps weight 1
+    g = torch.Generator().manual_seed(1)
+    a = Example(torch.randint(0, target.config["vocab_size"], (20,), generator=g), 5)
+    bb = Example(torch.randint(0, target.config["vocab_size"], (16,), generator=g), 4)
+    a.cover = torch.full((20,), K, dtype=torch.int8)
+    mixed = collate([a, bb], [target_hidden(target, e.ids[None])[0] for e in (a, bb)], torch.device("cpu"))
+    assert mixed.lookup_cover[0, :20].eq(K).all() and mixed.lookup_cover[1].eq(0).all()
+
+
+def test_a_checkpoint_from_before_the_flag_resumes_under_its_defaults():
+    from fastmtp_sglang.training.config import resume_mismatches
+
+    saved = {k: v for k, v in vars(TrainConfig()).items() if not k.startswith("lookup_")}
+    assert resume_mismatches(saved, TrainConfig()) == []
+    assert resume_mismatches(saved, TrainConfig(lookup_weight=0.5)) == [
+        "lookup_weight: checkpoint 1.0, now 0.5"]
+
+
 def test_config_refuses_weights_outside_zero_one():
     with pytest.raises(FastMTPError, match="lookup_weight must lie in"):
         TrainConfig(lookup_weight=1.5)
-    with pytest.raises(FastMTPError, match="lookup_min_match must be >= 1"):
-        TrainConfig(lookup_min_match=0)
+    for bad in (0, 5):
+        with pytest.raises(FastMTPError, match="lookup_min_match must lie in 1..4"):
+            TrainConfig(lookup_min_match=bad)

@@ -734,6 +734,14 @@ def test_hybrid_aware_weighting_trains_resumes_and_is_recorded(toy, capsys):
     assert steps[-1]["loss"] < steps[0]["loss"]
     start = next(r for r in res.log if r["event"] == "start")
     assert start["config"]["lookup_weight"] == 0.25 and start["config"]["lookup_min_match"] == 2
+    # the weight reaches the loss: the same first step at weight 1 scores more (covered targets
+    # count whole)
+    plain = train(small_cfg(epochs=1, halt_after_steps=1), target, data, root / "hyb1", init=init,
+                  progress=False)
+    first = lambda r: next(x for x in r.log if x["event"] == "step")["loss"]  # noqa: E731
+    hyb1 = train(small_cfg(epochs=1, halt_after_steps=1, lookup_weight=0.25), target, data,
+                 root / "hyb1w", init=init, progress=False)
+    assert first(hyb1) < first(plain)
     with pytest.raises(FastMTPError, match="lookup_weight"):
         train(small_cfg(epochs=2, lookup_weight=0.5), target, data, root / "hyb",
               resume=root / "hyb", progress=False)

@@ -234,7 +234,8 @@ class AutoK:
         # the loop's overhead that slows K=0 slows a drafting cycle too (trusting the bare curve
         # for it made drafting look cheap next to a calibrated K=0 under load)
         key = self._calib_key(k, batch, head_steps)
-        return ms * self.calib.get(key, self._inherited(key)) + (once if k and head_steps else 0.0)
+        ratio = self.calib[key] if key in self.calib else self._inherited(key)
+        return ms * ratio + (once if k and head_steps else 0.0)
 
     def _inherited(self, key: tuple) -> float:
         """What a (K, class[, "lookup"]) not yet calibrated starts from: K=0's ratio at its class
@@ -242,17 +243,20 @@ class AutoK:
         verify of K+1 tokens per row pays attention over K+1 queries where the curve's short
         ones barely did, so a drafting K falls further behind its price than K=0 does, and more
         so the more rows: a K first run at 16 rows is priced at least as it ran at 8, and at
-        least at the median ratio of the Ks of its kind (head or lookup) already run at 16."""
+        least at the median ratio of the smaller Ks of its kind (head or lookup) already run at
+        16."""
         k, cls = key[0], key[1]
         own = self.calib.get((0, cls), 1.0)
         if k and cls > 1:
             below = self._calib_key(k, cls // 2, head_steps=not key[2:])
             own = max(own, self.calib.get(below, own))
-            # and, when larger, the median of the other drafting Ks of its kind already run at
+            # and, when larger, the median of the smaller drafting Ks of its kind already run at
             # its class: under load the Ks a hybrid spreads its cycles over ran 1.4-2.3x their
-            # price alike, and each K's own first cycles had been priced at K=0's ratio
+            # price alike, and each K's own first cycles had been priced at K=0's ratio. Only
+            # smaller Ks: a larger K's ratio can be higher (attention over more queries), and a
+            # small K priced from it might never run to correct its price
             sib = [r for kk, r in self.calib.items()
-                   if kk[0] and kk[1] == cls and kk[2:] == key[2:] and kk != key]
+                   if 0 < kk[0] < k and kk[1] == cls and kk[2:] == key[2:]]
             if sib:
                 own = max(own, statistics.median(sib))
         return own
@@ -349,7 +353,7 @@ class AutoK:
         model = self._model_ms(k, batch, head_steps, deferred)
         if model > 0 and ms > 0 and self.calibrate:
             key = self._calib_key(k, batch, head_steps)
-            prior = self.calib.get(key, self._inherited(key))
+            prior = self.calib[key] if key in self.calib else self._inherited(key)
             window = self._ratios.setdefault(key, deque(maxlen=self.CALIB_WINDOW))
             window.append(min(ms / model, 10.0))
             # a K's first cycles are weighed against what it inherited (_inherited)

@@ -125,8 +125,9 @@ class TrainConfig:
             bad.append(f"kl_topk must be >= 0 (0 = exact KL from the hidden states), got {self.kl_topk}")
         if not 0.0 <= self.lookup_weight <= 1.0:
             bad.append(f"lookup_weight must lie in [0, 1] (1 = off), got {self.lookup_weight}")
-        if self.lookup_min_match < 1:
-            bad.append(f"lookup_min_match must be >= 1, got {self.lookup_min_match}")
+        if not 1 <= self.lookup_min_match <= 4:
+            bad.append(f"lookup_min_match must lie in 1..4 (auto's prompt lookup matches at most "
+                       f"4 tokens), got {self.lookup_min_match}")
         if bad:
             raise FastMTPError("bad training configuration: " + "; ".join(bad))
 
@@ -156,8 +157,12 @@ def step_weights(steps: int, beta: float) -> list[float]:
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """The RESUME_FIXED settings in which ``cfg`` differs from a checkpoint's saved config."""
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIXED
-            if _norm_value(saved.get(k)) != _norm_value(getattr(cfg, k))]
+    # a setting added after a checkpoint was written is read there as its default (the run
+    # trained with it): a checkpoint of an older version resumes under the same settings
+    defaults = TrainConfig()
+    return [f"{k}: checkpoint {saved.get(k, getattr(defaults, k))!r}, now {getattr(cfg, k)!r}"
+            for k in RESUME_FIXED
+            if _norm_value(saved.get(k, getattr(defaults, k))) != _norm_value(getattr(cfg, k))]
 
 
 def _norm_value(v: Any) -> Any:

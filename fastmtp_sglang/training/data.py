@@ -243,10 +243,11 @@ def collate(examples: list[Example], hiddens: list[torch.Tensor], device: torch.
             tk_ids[i, : len(ti)] = ti.to(device)
             tk_lp[i, : len(tl)] = tl.to(device)
     cover = None
-    if all(e.cover is not None for e in examples):
+    if any(e.cover is not None for e in examples):  # a row without one: nothing covered (weight 1)
         cover = torch.zeros(b, t, dtype=torch.int8, device=device)
         for i, e in enumerate(examples):
-            cover[i, : len(e.cover)] = e.cover.to(device)
+            if e.cover is not None:
+                cover[i, : len(e.cover)] = e.cover.to(device)
     return Batch(ids, hidden, mask, lengths, prompt_lens, tk_ids, tk_lp, cover)
 
 
