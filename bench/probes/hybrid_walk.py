@@ -6,7 +6,8 @@ K drafts a cycle. Acceptance only (no speed is read), so it may run beside other
     python bench/probes/hybrid_walk.py --work runs/sampling-levers \\
         --heads init=runs/sampling-levers/init,kl=runs/sampling-levers/heads/kl,hyb=... --out R.json
 
-For each head: the walk of the head alone (the training-time ``tau_walk`` of the curve), of
+For each head: per lookup match length, the drafts lookup and the head would each have had
+accepted at every anchor with such a match (``by_match``); and the walk of the head alone (the training-time ``tau_walk`` of the curve), of
 lookup alone (a cycle without a match emits one token), of the hybrid rule, and of an oracle
 that picks the better source each cycle (an upper bound no rule reaches). ``WORK`` is a
 `bench/pipelines/sampling_levers.sh` folder: its data (the held-out rows are the last
@@ -50,6 +51,24 @@ def walks(hits: torch.Tensor, right: torch.Tensor, match: torch.Tensor, prompt_l
     return out
 
 
+def by_match(hits: torch.Tensor, right: torch.Tensor, match: torch.Tensor, prompt_len: int,
+             length: int, acc: dict) -> None:
+    """Every anchor of the response (not a walk): per lookup match length, how many drafts lookup
+    and the head would each have had accepted there, summed into ``acc[m] = [anchors, lookup,
+    head]``: where a short match is worse than the head on average, the rule should not take it."""
+    steps = hits.shape[0]
+    run = hits[:, :length].long().cumprod(0)
+    for j in range(max(prompt_len - 1, 0), length - 2):
+        m = int(match[j])
+        if not m:
+            continue
+        avail = min(steps, length - 2 - j)
+        a = acc.setdefault(m, [0, 0, 0])
+        a[0] += 1
+        a[1] += min(int(right[j]), avail)
+        a[2] += int(run[:avail, j].sum())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", required=True, help="a sampling_levers.sh folder")
@@ -86,6 +105,7 @@ def main() -> int:
         ids = load_table(table, target.tokenizer).ids if table is not None else None
         proj = Projection(target.lm_head, ids)
         acc: dict[str, list[int]] = {}
+        per_m: dict[int, list[int]] = {}
         for s in range(0, len(held), 4):
             part = held[s:s + 4]
             batch = collate([examples[i] for i in part], [store(i, examples[i].ids) for i in part],
@@ -95,10 +115,15 @@ def main() -> int:
                 e = examples[i]
                 for k, v in walks(hits[r], *props[i], e.prompt_len, len(e.ids), a.min_match).items():
                     acc.setdefault(k, []).extend(v)
+                by_match(hits[r], *props[i], e.prompt_len, len(e.ids), per_m)
         res["heads"][name] = d
         took = acc.pop("took_lookup")
         res["tau_walk"][name] = {k: round(1 + sum(v) / len(v), 4) for k, v in acc.items()}
         res["tau_walk"][name]["hybrid_lookup_share"] = round(sum(took) / len(took), 4)
+        res.setdefault("by_match", {})[name] = {
+            str(m): {"anchors": n, "lookup_accepted": round(lk / n, 4), "head_accepted": round(hd / n, 4)}
+            for m, (n, lk, hd) in sorted(per_m.items())}
+        print(name, "by match length:", res["by_match"][name], flush=True)
         print(name, res["tau_walk"][name], flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
