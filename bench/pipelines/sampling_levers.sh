@@ -11,6 +11,8 @@
 #   hyb   opt-in (ARMS="kl hyb"): kl, hybrid-aware (--lookup-weight LOOKUP_WEIGHT, default 0.25):
 #         a target that prompt lookup (as `--steps auto` runs it) would have proposed right from
 #         the same anchor weighs that much, so the head's capacity goes where lookup is not right
+#   hyb3  opt-in: hyb counting only lookup matches of 3 tokens or more (two-token matches lose
+#         to the head on average: bench/results/sampling_levers/README.md)
 #
 #   bash bench/pipelines/sampling_levers.sh [WORK]          # WORK default runs/sampling-levers
 #   ARMS="kl acc k6" TOKENS=600000 LR=1e-3 bash bench/pipelines/sampling_levers.sh
@@ -75,7 +77,8 @@ for a in $ARMS; do
         acc) arms+=(--arm "acc=--loss acc --kl-topk 32") ;;
         k6) arms+=(--arm "k6=--loss kl --kl-topk 32 --steps 6") ;;
         hyb) arms+=(--arm "hyb=--loss kl --kl-topk 32 --lookup-weight $LOOKUP_WEIGHT") ;;
-        *) echo "ARMS holds kl, acc, k6 and/or hyb" >&2; exit 1 ;;
+        hyb3) arms+=(--arm "hyb3=--loss kl --kl-topk 32 --lookup-weight $LOOKUP_WEIGHT --lookup-min-match 3") ;;
+        *) echo "ARMS holds kl, acc, k6, hyb and/or hyb3" >&2; exit 1 ;;
     esac
 done
 mkdir -p "$W"
