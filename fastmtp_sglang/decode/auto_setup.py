@@ -187,7 +187,7 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     ``batched_curves`` (the same calls at larger batches); Kmax is ``spec.max_steps`` or
     :func:`deepest_paying_k` of the batch-1 costs. Its ``steps`` is that Kmax."""
     from fastmtp_sglang.decode.engine import ReferenceEngine
-    from fastmtp_sglang.decode.ngram import NgramDrafter
+    from fastmtp_sglang.decode.ngram import AUTO_MAX_NGRAM, NgramDrafter
 
     from fastmtp_sglang.decode.lean_forward import covers
 
@@ -197,7 +197,7 @@ def build_auto_engine(spec: AutoSpec, target, head, curve, max_context: int | No
     # leaves need the lean forward (a tree mask): by default, where it does not run, a chain
     width = spec.leaf_width if spec.width is not None or covers(target.model) else 1
     return ReferenceEngine(target, head, kmax, max_context, draft_vocab=draft_vocab,
-                           drafter=NgramDrafter(max_ngram=4) if hybrid else None,
+                           drafter=NgramDrafter(max_ngram=AUTO_MAX_NGRAM) if hybrid else None,
                            auto=AutoK(costs, kmax, alpha=spec.alpha, probe_every=spec.probe_every,
                                       width=width, sampled_alpha=spec.sampled_alpha),
                            hybrid=hybrid, splice=spec.splice, width=width)

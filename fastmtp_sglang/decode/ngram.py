@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+AUTO_MAX_NGRAM = 4  # the longest match `--steps auto`'s prompt lookup tries (decode/auto_setup.py)
+
+
 @dataclass
 class NgramDrafter:
     max_ngram: int = 2

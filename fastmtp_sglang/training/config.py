@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fastmtp_sglang.core.errors import FastMTPError
+from fastmtp_sglang.decode.ngram import AUTO_MAX_NGRAM
 
 LOSSES = ("ce", "kl", "ce+kl", "acc", "ce+acc")
 
@@ -125,9 +126,9 @@ class TrainConfig:
             bad.append(f"kl_topk must be >= 0 (0 = exact KL from the hidden states), got {self.kl_topk}")
         if not 0.0 <= self.lookup_weight <= 1.0:
             bad.append(f"lookup_weight must lie in [0, 1] (1 = off), got {self.lookup_weight}")
-        if not 1 <= self.lookup_min_match <= 4:
-            bad.append(f"lookup_min_match must lie in 1..4 (auto's prompt lookup matches at most "
-                       f"4 tokens), got {self.lookup_min_match}")
+        if not 1 <= self.lookup_min_match <= AUTO_MAX_NGRAM:
+            bad.append(f"lookup_min_match must lie in 1..{AUTO_MAX_NGRAM} (auto's prompt lookup "
+                       f"matches at most {AUTO_MAX_NGRAM} tokens), got {self.lookup_min_match}")
         if bad:
             raise FastMTPError("bad training configuration: " + "; ".join(bad))
 

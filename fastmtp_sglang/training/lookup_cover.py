@@ -20,10 +20,10 @@ import sys
 
 import torch
 
-from fastmtp_sglang.decode.ngram import NgramDrafter, NgramIndex
+from fastmtp_sglang.decode.ngram import AUTO_MAX_NGRAM, NgramDrafter, NgramIndex
 
 # what `--steps auto` serves with (decode/auto_setup.py)
-AUTO_NGRAM = NgramDrafter(max_ngram=4)
+AUTO_NGRAM = NgramDrafter(max_ngram=AUTO_MAX_NGRAM)
 
 
 def lookup_proposals(ids: list[int], prompt_len: int, steps: int,
