@@ -37,7 +37,9 @@ from fastmtp_sglang.decode.sampling import SamplingParams
 from fastmtp_sglang.vocab.draft_vocab import resolve_vocab
 
 
-CHOICES = []  # auto's drafting choices: (rows, K, predicted tokens, predicted ms, K=0's predicted ms)
+# auto's drafting choices: (rows, K, predicted tokens, predicted ms, K=0's predicted ms, head),
+# then what the cycle emitted, took (ms) and spent of that reading prompts (ms, loop())
+CHOICES = []
 OWNERS = []   # the AutoK that made each choice (arms interleaved share CHOICES)
 
 
@@ -107,7 +109,8 @@ def loop(eng, prompts, clients, requests, tokens, spread, st):
         dt = time.perf_counter() - t
         st["step_s"] += dt
         if len(CHOICES) > nc:  # a drafting cycle: what it emitted and took
-            CHOICES[-1] += [sum(len(r.out) - outs[id(r)] for r in rows), 1e3 * dt]
+            CHOICES[-1] += [sum(len(r.out) - outs[id(r)] for r in rows), 1e3 * dt,
+                            1e3 * getattr(eng, "_prompts_s", 0.0)]
         st["cycles"] += 1
         for _, res in done:
             st["out_tok"] += len(res.output_ids)
@@ -212,13 +215,14 @@ def main():
             from fastmtp_sglang.decode.auto import batch_class
             by = {}
             for c, owner in zip(CHOICES, OWNERS):
-                if len(c) == 8 and owner == id(e.auto):
+                if len(c) == 9 and owner == id(e.auto):
                     by.setdefault((batch_class(c[0]), c[1], c[5]), []).append(c)
             for key, cs in sorted(by.items()):
                 n = len(cs)
                 print(f"   class {key[0]:>2} K={key[1]} head={key[2]}: {n} cycles; tokens predicted "
                       f"{sum(c[2] for c in cs):.0f} emitted {sum(c[6] for c in cs)}; ms predicted "
-                      f"{sum(c[3] for c in cs):.0f} took {sum(c[7] for c in cs):.0f}; K=0 priced "
+                      f"{sum(c[3] for c in cs):.0f} took {sum(c[7] for c in cs):.0f} (reading prompts "
+                      f"{sum(c[8] for c in cs):.0f}); K=0 priced "
                       f"{sum(c[4] for c in cs) / n:.1f} ms a cycle")
         if e.auto is not None:
             print("   calib", {k: round(v, 2) for k, v in sorted(e.auto.calib.items(), key=str)})
