@@ -42,9 +42,10 @@ def _copy_heavy(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("min_match", [1, 2, 3])
 def test_cover_is_what_lookup_proposes_right_from_each_anchor(seed, min_match):
     """cover[j] = how many of x_{j+2}.. the drafter's proposal from x_0..x_{j+1} gets right,
-    computed here by the drafter's own scan over the prefix (no index)."""
+    computed here by the drafter's own scan over the prefix (no index); prompts of 0 and 1
+    tokens too."""
     ids = _copy_heavy(70, seed)
-    plen = 5 + seed
+    plen = (0, 1, 6, 7, 8, 10)[seed]
     cover = lookup_cover(ids, plen, K, min_match)
     assert cover.shape == (70,) and cover.dtype == torch.int8
     for j in range(70):

@@ -96,3 +96,17 @@ def test_index_proposes_what_the_scan_proposes_as_the_sequence_grows(min_n, max_
             out.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
     idx.sync([9, 9, 9], [])  # another sequence: rebuilt, not mixed with the old one
     assert idx.propose_match(2) == d.propose_match([9, 9, 9], 2)
+
+
+def test_index_grows_from_an_empty_prompt():
+    """A sequence that is all output (the hybrid-aware weighting's drafter may see a row whose
+    prompt is empty): the index grows with it and proposes what the scan proposes."""
+    from fastmtp_sglang.decode.ngram import NgramIndex
+
+    d = NgramDrafter(3, 1)
+    idx, seq = NgramIndex(d), [1, 2, 3, 1, 2, 3, 1, 2]
+    for n in range(len(seq) + 1):
+        idx.sync([], seq[:n])
+        assert idx.propose_match(2) == d.propose_match(seq[:n], 2)
+    idx.sync([], [7, 7])  # another sequence: rebuilt
+    assert idx.propose_match(1) == d.propose_match([7, 7], 1)

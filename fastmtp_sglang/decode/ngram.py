@@ -68,7 +68,8 @@ class NgramIndex:
     def sync(self, prompt: list[int], out: list[int]) -> None:
         """Catch up with ``prompt + out`` (which only grows; anything else rebuilds)."""
         have, plen = len(self.seq), len(prompt)
-        if have > plen + len(out) or (have and (self.seq[0] != prompt[0] or have < plen)):
+        # (an empty prompt: the sequence starts with the output; have > 0 means out is not empty)
+        if have > plen + len(out) or (have and (have < plen or self.seq[0] != (prompt or out)[0])):
             self.__init__(self.drafter)
             have = 0
         if have < plen:
