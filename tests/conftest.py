@@ -203,6 +203,28 @@ def ref():
     )
 
 
+_VECTOR_BUILD: dict = {}
+
+
+@pytest.fixture(params=["default", "vector"])
+def amx_build(request, monkeypatch):
+    """Run a kernel test under each build of cpu_kernels/amx.c this CPU loads: its default
+    (AMX tiles where it has them) and, on an AMX CPU, the AVX-512 vector build too (what a CPU
+    with avx512_bf16 but no AMX runs; FASTMTP_VECTOR). Skipped where the default already is
+    the vector build (the "default" run tests it) or no build loads."""
+    if request.param == "vector":
+        from fastmtp_sglang.cpu_kernels import amx
+
+        if not amx.available() or not amx.tiles():
+            pytest.skip("no AMX build here: the default run is the only build")
+        if "lib" not in _VECTOR_BUILD:
+            _VECTOR_BUILD["lib"], _VECTOR_BUILD["why"] = amx._load("vector")
+        if _VECTOR_BUILD["lib"] is None:
+            pytest.skip(f"the vector build: {_VECTOR_BUILD['why']}")
+        monkeypatch.setitem(amx._state, "lib", _VECTOR_BUILD["lib"])
+    return request.param
+
+
 # --------------------------------------------------------------------------------------------
 # tiny checkpoints
 # --------------------------------------------------------------------------------------------

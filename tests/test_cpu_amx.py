@@ -1,7 +1,9 @@
 """The AMX kernel (cpu_kernels/amx.py): the small-rows linear against a float64 reference over
 odd shapes, with a bound from bf16's rounding and fp32 accumulation; a row's result independent
 of the other rows and of the thread count; the fused elementwise steps against PyTorch's own ops
-(skipped, with the reason, on CPUs without AMX). Its build and cache: test_cpu_kernels_loader.py."""
+(skipped, with the reason, on CPUs without AMX or AVX-512 bf16). Every test runs under each build
+this CPU loads: AMX tiles, and the AVX-512 vector build (conftest.amx_build). Its build and
+cache: test_cpu_kernels_loader.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import torch.nn.functional as F
 
 from fastmtp_sglang.cpu_kernels import amx as ck
 
+# every test under each build of the kernels this CPU loads (conftest.amx_build)
+pytestmark = pytest.mark.usefixtures("amx_build")
 needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"cpu kernels: {ck.unavailable_reason()}")
 bf = torch.bfloat16
 
@@ -180,3 +184,20 @@ def test_linear_argmax_refuses_what_it_cannot_take():
         with pytest.raises(ValueError):
             ck.linear_argmax(x, p)
     assert ck.linear_argmax(torch.randn(2, 64).to(bf), p).shape == (2,)
+
+
+@needs_kernels
+def test_a_verify_attention_stays_off_the_vector_build(amx_build):
+    """The vector build (no AMX) has no tiles: a verify's attention is not offered to it
+    (takes_multi), and a direct call says why; on tiles the same call runs."""
+    q = torch.randn(1, 3, 4, 64).to(bf)
+    k = v = torch.randn(1, 3, 10, 64).to(bf)
+    valid = torch.ones(1, 4, 10, dtype=torch.bool)
+    if amx_build == "vector":
+        assert not ck.tiles()
+    assert ck.takes_multi(4, 64) == ck.tiles()
+    if ck.tiles():
+        assert ck.multi_query_attention(q, k, v, valid, 0.125).shape == (1, 3, 4, 64)
+    else:
+        with pytest.raises(RuntimeError, match="AVX-512 build"):
+            ck.multi_query_attention(q, k, v, valid, 0.125)

@@ -36,6 +36,7 @@ class FakeLib:
 
     def __init__(self):
         self.fastmtp_amx_init = lambda: 0
+        self.fastmtp_has_tiles = lambda: 1
 
     def __getattr__(self, name):
         return SimpleNamespace()
@@ -122,6 +123,37 @@ def test_a_planted_library_loads_only_with_its_sha(amx_cpu, monkeypatch, loads, 
         assert lib is None and why.startswith("building the kernel failed") and loads == []
 
 
+@pytest.mark.parametrize("flags,stem,defines", [
+    (amx.NEEDS, "amx", ()),
+    (amx.VECTOR_NEEDS, "amx_vector", ("FASTMTP_VECTOR",)),
+], ids=["amx", "avx512-bf16-only"])
+def test_the_build_follows_the_cpu(amx_cpu, monkeypatch, loads, flags, stem, defines):
+    """A CPU with AMX loads the tiles' build; one with AVX-512 bf16 and no AMX the vector build
+    (compiled with -DFASTMTP_VECTOR, cached under its own name); the compile command carries
+    the define."""
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("CC", "/bin/false")
+    path, cmds = loader._library_path("/bin/false", amx.SOURCE, stem, defines)
+    assert path.name.startswith(stem + "-")
+    assert ("-DFASTMTP_VECTOR" in cmds[0]) == bool(defines)
+    loader.private_dir(path.parent)
+    path.write_bytes(b"\x7fELF planted")
+    loader._sha_file(path).write_text(hashlib.sha256(b"\x7fELF planted").hexdigest() + "\n")
+    lib, why = amx._load()
+    assert isinstance(lib, FakeLib) and why is None and loads == [str(path)]
+
+
+def test_refused_tiles_fall_back_to_the_vector_build(amx_cpu, monkeypatch, loads):
+    """An AMX CPU whose OS refuses tile data (or whose tiles' build fails) loads the vector build."""
+    monkeypatch.setenv("CC", "/bin/false")
+    path, _ = loader._library_path("/bin/false", amx.SOURCE, "amx_vector", ("FASTMTP_VECTOR",))
+    loader.private_dir(path.parent)
+    path.write_bytes(b"\x7fELF vector")
+    loader._sha_file(path).write_text(hashlib.sha256(b"\x7fELF vector").hexdigest() + "\n")
+    lib, why = amx._load()   # the tiles' build fails (no compiler), the vector one is cached
+    assert isinstance(lib, FakeLib) and why is None and loads == [str(path)]
+
+
 def test_flags_compiler_and_source_are_in_the_key(amx_cpu, monkeypatch):
     monkeypatch.setattr(loader, "_compiler_id", lambda cc: "/usr/bin/gcc\ngcc 12.2.0")
     base, _ = loader._library_path("gcc", amx.SOURCE, "amx")
@@ -143,7 +175,9 @@ def test_a_failed_build_is_logged_once(amx_cpu, monkeypatch, caplog):
     why = amx.unavailable_reason()
     assert why.startswith("building the kernel failed")
     msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(msgs) == 1 and why in msgs[0], msgs
+    # once per build tried: the tiles', then the vector build it falls back to
+    assert [m.split(":")[0] for m in msgs] == ["amx", "amx_vector"], msgs
+    assert all(part in m for part, m in zip(why.split("; "), msgs)), (why, msgs)
 
 
 @has_gcc

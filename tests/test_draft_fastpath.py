@@ -90,6 +90,7 @@ def test_batch_one_greedy_equals_the_kernel_reference():
 
 
 @pytest.mark.skipif(not amx.available(), reason=f"cpu kernels: {amx.unavailable_reason()}")
+@pytest.mark.usefixtures("amx_build")
 def test_batch_one_greedy_on_tiles_keeps_following_the_table_weight():
     """bf16 on AMX: from a table's second step on, the pick skips the checks and goes straight to
     the tiles kept for it; it still equals the first maximum of the table's bf16 products, for

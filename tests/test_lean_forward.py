@@ -96,6 +96,7 @@ def test_bit_identical_to_transformers_on_pytorchs_kernels(kind, dtype, monkeypa
 
 @pytest.mark.skipif(not amx.available(), reason=f"cpu kernels: {amx.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.usefixtures("amx_build")
 def test_bf16_cpu_kernels_within_rounding_of_transformers(kind):
     model = _model(kind, torch.bfloat16)
     pack_for_inference(model, None, "on")

@@ -15,6 +15,8 @@ from fastmtp_sglang.cpu_kernels.packed_linear import pack_for_inference
 from fastmtp_sglang.decode.lean_head import LeanHead
 from test_engine import random_head, tiny_target
 
+# every test under each build of the kernels this CPU loads (conftest.amx_build)
+pytestmark = pytest.mark.usefixtures("amx_build")
 needs_kernels = pytest.mark.skipif(not amx.available(),
                                    reason=f"cpu kernels: {amx.unavailable_reason()}")
 

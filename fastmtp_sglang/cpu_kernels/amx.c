@@ -32,11 +32,22 @@
    must hold the permission to use tile data (fastmtp_amx_init). */
 
 int fastmtp_amx_init(void) {
+#ifdef FASTMTP_VECTOR
+    return 0;  /* no tile data to ask for */
+#else
     /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): 0 when granted (idempotent) */
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
+#endif
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+/* 1: built with AMX tiles; 0: the AVX-512 build (FASTMTP_VECTOR, amx_products.h) */
+#ifdef FASTMTP_VECTOR
+int fastmtp_has_tiles(void) { return 0; }
+#else
+int fastmtp_has_tiles(void) { return 1; }
+#endif
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16" AMX_ATTR)))
 void fastmtp_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
                              int M, int N, int K, int threads) {
     const int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
@@ -51,7 +62,7 @@ void fastmtp_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const float *
             for (int m0 = 0; m0 < M; m0 += 16) {
                 const int r = M - m0 < 16 ? M - m0 : 16;
                 if (r != cur) { amx_config(r); cur = r; }
-                tile_pass(x + (size_t)m0 * K, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, tmp);
+                tile_pass(x + (size_t)m0 * K, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, r, tmp);
                 for (int q = 0; q < g; q++) {
                     const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
                     const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
@@ -63,7 +74,7 @@ void fastmtp_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const float *
                 }
             }
         }
-        if (cur) _tile_release();
+        if (cur) TILE_RELEASE();
     }
 }
 
@@ -318,7 +329,7 @@ int fastmtp_head_step_bf16(const void *const *w, const long *dims, const float *
    its contiguous share of blocks, and the shares are compared in order. map: NULL, or [N] ids
    written in place of the indices (a vocabulary table's token ids: one tensor op fewer a step). */
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16" AMX_ATTR)))
 static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int K, int threads,
                          shares *sh) {
     const int nb = (N + 15) / 16, Kp = K / 2, kt = K / 32;
@@ -334,7 +345,7 @@ static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int
         if (lo < hi) amx_config(M);
         for (int j = lo; j < hi; j += CHAINS) {
             const int g = hi - j < CHAINS ? hi - j : CHAINS;
-            tile_pass(x, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, tmp);
+            tile_pass(x, K, w + (size_t)j * Kp * 32, (size_t)Kp * 32, g, kt, M, tmp);
             for (int q = 0; q < g; q++) {
                 const int jj = j + q, ncols = N - jj * 16 < 16 ? N - jj * 16 : 16;
                 for (int m = 0; m < M; m++)
@@ -342,7 +353,7 @@ static void argmax_tiles(const uint16_t *x, const uint16_t *w, int M, int N, int
                         keep(bf2f(f2bf(tmp[q][m * 16 + c])), (int64_t)jj * 16 + c, bv + m, bi + m);
             }
         }
-        if (lo < hi) _tile_release();
+        if (lo < hi) TILE_RELEASE();
     }
 }
 
@@ -385,6 +396,16 @@ int fastmtp_linear_argmax_bf16_amx(const uint16_t *x, const uint16_t *w, int M, 
    [B, S, H * G, D] contiguous bf16. D a multiple of 32, at most 256; 16 * ks_t * 2 below 2^31.
    A token that sees no slot gets zeros. Returns -1 without scratch memory, -3 for shapes it does
    not take (nothing written), else 0. */
+#ifdef FASTMTP_VECTOR
+/* the AVX-512 build has no tiles: amx.py leaves a verify's attention to PyTorch there */
+int fastmtp_multi_attn_amx(const uint16_t *q, long qs_b, long qs_h, long qs_s,
+                           const uint16_t *k, const uint16_t *v, const uint8_t *valid,
+                           uint16_t *out, int B, int H, int G, int S, int T, int D,
+                           long ks_b, long ks_h, long ks_t, long vs_b, long vs_h, long vs_t,
+                           float scale, int threads) {
+    return -3;
+}
+#else
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 int fastmtp_multi_attn_amx(const uint16_t *q, long qs_b, long qs_h, long qs_s,
                            const uint16_t *k, const uint16_t *v, const uint8_t *valid,
@@ -502,3 +523,4 @@ int fastmtp_multi_attn_amx(const uint16_t *q, long qs_b, long qs_h, long qs_s,
     free(mem);
     return 0;
 }
+#endif

@@ -1,5 +1,5 @@
-"""bf16 linear layers at the few rows of a decode step on AMX tiles (``amx.c``), and the
-elementwise steps of a bf16 decoder layer.
+"""bf16 linear layers at the few rows of a decode step on AMX tiles (``amx.c``; on AVX-512 dot
+products where the CPU has no AMX), and the elementwise steps of a bf16 decoder layer.
 
 A plain step multiplies one row by every weight of the model; a verify, K+1 rows; a batch of B
 requests, B (K+1) rows. Through oneDNN's kernels on prepared weights (packed_linear.py) the
@@ -11,11 +11,18 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 (``python bench/probes/cpu_kernels_probe.py``; bench/results/cpu_kernels_probe/).
 
 - :func:`available`: the kernel is built with the system's C compiler on first use and cached
-  (loader.py: a private folder, the sha256 checked before every load). False, with
+  (loader.py: a private folder, the sha256 checked before every load). Two builds of one
+  source: on AMX tiles, and (``FASTMTP_VECTOR``) on AVX-512 bf16 dot products for CPUs without
+  AMX (AMD EPYC Zen 4 and later, Intel Cooper Lake), also taken where the OS refuses tile data
+  or the tiles' build fails; :func:`tiles` says which runs. The vector build's products are
+  the same pairs in the same order per output (one fp32 chain, VDPBF16PS), up to 8 rows
+  sharing each weight row it reads; it has no tiles for a verify's attention
+  (:func:`takes_multi` is False, PyTorch attends). On the AMX Xeon with AMX masked
+  (bench/probes/without_amx.py) the draft step took 1.2 ms against 2.3-2.4 through oneDNN and
+  the plain step 14 ms against 24-26 (bench/results/avx512_vector_build/). False, with
   :func:`unavailable_reason` (a build failure or a refused folder is also logged, once), on a
-  CPU without AMX (``amx_tile``, ``amx_bf16``), where the kernel cannot be built or the OS
-  refuses tile data, or with ``FASTMTP_CPU_KERNELS=off``: callers then keep oneDNN
-  (packed_linear.py).
+  CPU without AVX-512 bf16, where neither build can be made or loaded, or with
+  ``FASTMTP_CPU_KERNELS=off``: callers then keep oneDNN (packed_linear.py).
 - :func:`pack` lays a weight out once (:class:`Packed`); :func:`linear` computes ``x @ W.T + b``;
   :func:`linear_argmax` only each row's largest output's index (a greedy draft's table pick;
   :func:`linear_argmax_rows` with the table's token ids looked up in the call).
@@ -40,16 +47,32 @@ from pathlib import Path
 
 import torch
 
-from fastmtp_sglang.cpu_kernels.loader import Once, load_for_cpu
+from fastmtp_sglang.cpu_kernels import loader
+from fastmtp_sglang.cpu_kernels.loader import ENV, Once, load_for_cpu
 
 SOURCE = Path(__file__).with_name("amx.c")
-NEEDS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+VECTOR_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+NEEDS = ("amx_tile", "amx_bf16", *VECTOR_NEEDS)
 TILE_K = 32                      # inputs per tile
 BLOCK_N = 16                     # output columns per tile
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    lib, why = load_for_cpu(SOURCE, "amx", NEEDS)
+def _load(build: str | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """``build``: "tiles" (AMX), "vector" (AVX-512 bf16 dot products, no AMX), or None: tiles
+    where the CPU has AMX and the OS grants tile data, else the vector build."""
+    if build is None:
+        flags = loader.cpu_flags()
+        if all(f in flags for f in NEEDS):
+            lib, why = _load("tiles")
+            if lib is not None or why == f"{ENV}=off":
+                return lib, why
+            vec, vwhy = _load("vector")  # (AMX refused or failed to build: the vector units)
+            return (vec, None) if vec is not None else (None, f"{why}; {vwhy}")
+        build = "vector"
+    if build == "tiles":
+        lib, why = load_for_cpu(SOURCE, "amx", NEEDS)
+    else:
+        lib, why = load_for_cpu(SOURCE, "amx_vector", VECTOR_NEEDS, ("FASTMTP_VECTOR",))
     if lib is None:
         return None, why
     lib.fastmtp_linear_bf16_amx.restype = None
@@ -70,8 +93,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.fastmtp_multi_attn_amx.argtypes = [P, L, L, L, P, P, P, P, I, I, I, I, I, I, L, L, L, L, L, L,
                                            ctypes.c_float, I]
     lib.fastmtp_amx_init.restype = ctypes.c_int
+    lib.fastmtp_has_tiles.restype = ctypes.c_int
     if lib.fastmtp_amx_init() != 0:
         return None, "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    lib.has_tiles = bool(lib.fastmtp_has_tiles())  # (read for every forward: takes_multi)
     return lib, None
 
 
@@ -87,6 +112,12 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def tiles() -> bool:
+    """Whether the loaded build runs on AMX tiles (False: the AVX-512 vector build, or none)."""
+    lib = library()
+    return lib is not None and lib.has_tiles
 
 
 def unavailable_reason() -> str | None:
@@ -299,9 +330,10 @@ MULTI_MAX_S = 32  # new tokens per row up to which a verify's attention runs on 
 
 def takes_multi(tokens: int, head_dim: int) -> bool:
     """Whether :func:`multi_query_attention` takes ``tokens`` new tokens a row at this head
-    size: 2 to ``MULTI_MAX_S`` tokens, head size a multiple of 32 up to 256 (what a forward can
-    decide before it has the tensors, :func:`fits_multi`)."""
-    return 1 < tokens <= MULTI_MAX_S and head_dim % 32 == 0 and head_dim <= 256
+    size: 2 to ``MULTI_MAX_S`` tokens, head size a multiple of 32 up to 256, on AMX tiles (the
+    vector build has none: :func:`tiles`) (what a forward can decide before it has the tensors,
+    :func:`fits_multi`)."""
+    return 1 < tokens <= MULTI_MAX_S and head_dim % 32 == 0 and head_dim <= 256 and tiles()
 
 
 def fits_multi(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -326,14 +358,17 @@ def multi_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, val
     contiguous). A token that sees no slot gets zeros."""
     B, nh, S, D = q.shape
     nkv, T = k.shape[1], k.shape[2]
+    if library() is None:
+        raise RuntimeError(f"the AMX kernels are unavailable: {unavailable_reason()}")
+    if not tiles():
+        raise RuntimeError("multi_query_attention runs on AMX tiles; this CPU has the AVX-512 "
+                           "build of the kernels (a verify's attention stays with PyTorch there)")
     if not fits_multi(q, k) or v.shape != k.shape or v.stride(-1) != 1 or v.dtype != k.dtype:
         raise ValueError(f"multi_query_attention takes bf16 q [B, H, S, D] with 1 < S <= {MULTI_MAX_S}, "
                          f"D % 32 == 0, D <= 256 and k, v [B, n_kv, T, D]; got q {tuple(q.shape)} "
                          f"{q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if valid.shape != (B, S, T) or valid.dtype != torch.bool:
         raise ValueError(f"valid must be bool [B, S, T] = [{B}, {S}, {T}], got {tuple(valid.shape)} {valid.dtype}")
-    if library() is None:
-        raise RuntimeError(f"the AMX kernels are unavailable: {unavailable_reason()}")
     return multi_query_attention_rows(q, k, v, valid.contiguous(), scale)
 
 

@@ -12,6 +12,21 @@
 
 #include "bf16.h"
 
+/* Two builds of amx.c (cpu_kernels/amx.py picks one): with AMX tiles, and, with FASTMTP_VECTOR
+   defined, for CPUs with AVX-512 bf16 but no AMX (AMD EPYC Zen 4 and later, Intel Cooper Lake):
+   there tile_pass takes the same pairs on VDPBF16PS, the tile configuration and release are
+   no-ops, and the verify's attention on tiles is not built (amx.py then leaves it to PyTorch). */
+#ifdef FASTMTP_VECTOR
+#define AMX_ATTR ""
+#define TILE_RELEASE() ((void)0)
+#else
+#define AMX_ATTR ",amx-tile,amx-bf16"
+#define TILE_RELEASE() _tile_release()
+#endif
+
+#ifdef FASTMTP_VECTOR
+static inline void amx_config(int r) { (void)r; }
+#else
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -28,6 +43,7 @@ static void amx_config(int r) {
     c.rows[1] = (uint8_t)r;                          /* A: r rows x 32 bf16 */
     _tile_loadconfig(&c);
 }
+#endif
 
 /* ---------- the table's pick at one row: AVX-512 dot products over the same tiles ----------
    A tile's row k is pair k of the inputs for its 16 columns, VDPBF16PS's layout: each column's
@@ -83,10 +99,86 @@ static inline void row_blocks(const uint16_t *x, const uint16_t *wb, int g, int 
 
 #define CHAINS 3
 
+#ifdef FASTMTP_VECTOR
+/* ---------- the same pass on AVX-512 dot products (no AMX) ----------
+   Pair p of a block's tiles is the 64 bytes at p * 32: VDPBF16PS's layout, as row_blocks reads
+   it. Up to VROWS rows at a time, each with its g blocks' accumulators, so a weight row is read
+   once for those rows (8 rows x 3 blocks: 24 of the 32 vector registers). Each output is one
+   fp32 chain over the pairs in order, whatever the other rows: a row's result does not depend
+   on the rows beside it. */
+#define VROWS 8
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline))
+static inline void vec_rows(const uint16_t *x, int K, const uint16_t *wb, size_t bs, const int g,
+                            int np, const int n, float *out0, float *out1, float *out2) {
+    /* n rows (1..VROWS) x g blocks (1..3); always inlined with n and g constant (vec_pass's
+       switch), so the accumulators stay in registers and the loops unroll */
+    __m512 a0[VROWS], a1[VROWS], a2[VROWS];
+    for (int m = 0; m < n; m++) a0[m] = a1[m] = a2[m] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + (size_t)p * 32);
+        const __m512bh w1 = g > 1 ? (__m512bh)_mm512_loadu_si512(wb + bs + (size_t)p * 32) : w0;
+        const __m512bh w2 = g > 2 ? (__m512bh)_mm512_loadu_si512(wb + 2 * bs + (size_t)p * 32) : w0;
+        for (int m = 0; m < n; m++) {
+            uint32_t pr;
+            memcpy(&pr, x + (size_t)m * K + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pr);
+            a0[m] = _mm512_dpbf16_ps(a0[m], xb, w0);
+            if (g > 1) a1[m] = _mm512_dpbf16_ps(a1[m], xb, w1);
+            if (g > 2) a2[m] = _mm512_dpbf16_ps(a2[m], xb, w2);
+        }
+    }
+    for (int m = 0; m < n; m++) {
+        _mm512_store_ps(out0 + m * 16, a0[m]);
+        if (g > 1) _mm512_store_ps(out1 + m * 16, a1[m]);
+        if (g > 2) _mm512_store_ps(out2 + m * 16, a2[m]);
+    }
+}
+
+#define VEC_G(N) \
+    switch (g) { \
+    case 1: vec_rows(x, K, wb, bs, 1, np, N, o0, o1, o2); break; \
+    case 2: vec_rows(x, K, wb, bs, 2, np, N, o0, o1, o2); break; \
+    default: vec_rows(x, K, wb, bs, 3, np, N, o0, o1, o2); }
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void vec_pass(const uint16_t *x, int K, const uint16_t *wb, size_t bs, int g, int np, int n,
+                     float *o0, float *o1, float *o2) {
+    switch (n) {
+    case 1: VEC_G(1) break;
+    case 2: VEC_G(2) break;
+    case 3: VEC_G(3) break;
+    case 4: VEC_G(4) break;
+    case 5: VEC_G(5) break;
+    case 6: VEC_G(6) break;
+    case 7: VEC_G(7) break;
+    default: VEC_G(8)
+    }
+}
+#undef VEC_G
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static inline void tile_pass(const uint16_t *x, int K, const uint16_t *wb, size_t bs, int g, int kt,
+                             int r, float (*tmp)[256]) {
+    /* tmp[q] = r rows x 16 fp32 sums of block q (0 <= q < g <= CHAINS) starting at wb, stride bs;
+       the rows in groups of at most VROWS, of even sizes (9 rows: 5 + 4, not 8 + 1: a group
+       of one row waits on its chains' latency for a whole pass over the weights) */
+    const int groups = (r + VROWS - 1) / VROWS;
+    for (int m0 = 0, left = r, gi = groups; left > 0; gi--) {
+        const int n = (left + gi - 1) / gi;
+        vec_pass(x + (size_t)m0 * K, K, wb, bs, g, kt * 16, n, tmp[0] + m0 * 16, tmp[1] + m0 * 16,
+                 tmp[2] + m0 * 16);
+        m0 += n;
+        left -= n;
+    }
+}
+#else
 __attribute__((target("amx-tile,amx-bf16")))
 static inline void tile_pass(const uint16_t *x, int K, const uint16_t *wb, size_t bs, int g, int kt,
-                             float (*tmp)[256]) {
-    /* tmp[q] = r rows x 16 fp32 sums of block q (0 <= q < g <= CHAINS) starting at wb, stride bs */
+                             int r, float (*tmp)[256]) {
+    /* tmp[q] = r rows x 16 fp32 sums of block q (0 <= q < g <= CHAINS) starting at wb, stride bs
+       (r: the rows the tile configuration holds, amx_config) */
+    (void)r;
     _tile_zero(0); _tile_zero(3); _tile_zero(4);
     for (int t = 0; t < kt; t++) {
         _tile_loadd(1, x + t * 32, K * 2);
@@ -99,6 +191,7 @@ static inline void tile_pass(const uint16_t *x, int K, const uint16_t *wb, size_
     if (g > 1) _tile_stored(3, tmp[1], 64);
     if (g > 2) _tile_stored(4, tmp[2], 64);
 }
+#endif
 
 /* ---------- the argmax's pieces (fastmtp_linear_argmax_bf16_amx) ---------- */
 

@@ -88,11 +88,12 @@ def _loaded_openmp() -> str | None:
 CFLAGS = ("-O3", "-fPIC", "-fopenmp")
 
 
-def _commands(cc: str, omp: str | None) -> list[list[str]]:
+def _commands(cc: str, omp: str | None, defines: tuple[str, ...] = ()) -> list[list[str]]:
     """The compile and link command lines, with ``{src}``, ``{obj}`` and ``{out}`` for the
-    files. Linked against the OpenMP runtime torch already has: a second libgomp in the process
-    would keep its own spinning threads on the same cores."""
-    return [[cc, *CFLAGS, "-c", "{src}", "-o", "{obj}"],
+    files (``defines``: macros, ``-D<name>``, for a build of the source). Linked against the
+    OpenMP runtime torch already has: a second libgomp in the process would keep its own
+    spinning threads on the same cores."""
+    return [[cc, *CFLAGS, *(f"-D{d}" for d in defines), "-c", "{src}", "-o", "{obj}"],
             [cc, "-shared", "{obj}", "-o", "{out}", *([omp] if omp else ["-fopenmp"]), "-lm"]]
 
 
@@ -112,10 +113,11 @@ def cache_key(source: bytes, compiler_id: str, commands: list[list[str]]) -> str
     return h.hexdigest()[:16]
 
 
-def _library_path(cc: str, source: Path, stem: str) -> tuple[Path, list[list[str]]]:
+def _library_path(cc: str, source: Path, stem: str,
+                  defines: tuple[str, ...] = ()) -> tuple[Path, list[list[str]]]:
     """Where the library built from ``source`` is cached (``<stem>-<key>.so``), and the commands
     that build it."""
-    cmds = _commands(cc, _loaded_openmp())
+    cmds = _commands(cc, _loaded_openmp(), defines)
     # (the headers beside it too: bf16.h, which both C files include, and amx_products.h)
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     tag = cache_key(text, _compiler_id(cc), cmds)
@@ -150,11 +152,11 @@ def _write_beside(path: Path, data: bytes) -> None:
         raise
 
 
-def _build(cc: str, source: Path, stem: str) -> Path:
+def _build(cc: str, source: Path, stem: str, defines: tuple[str, ...] = ()) -> Path:
     """The kernel library for this source, compiler and flags: the cached one when its recorded
     sha256 matches, else built now (a mismatch is rebuilt, never loaded). ``stem``: the start of
     the library's file name."""
-    out, cmds = _library_path(cc, source, stem)
+    out, cmds = _library_path(cc, source, stem, defines)
     private_dir(out.parent)
     if verified(out):
         return out
@@ -180,19 +182,21 @@ def _build(cc: str, source: Path, stem: str) -> Path:
     return out
 
 
-def open_library(cc: str, source: Path, stem: str) -> ctypes.CDLL:
+def open_library(cc: str, source: Path, stem: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build (or find in the cache) and load a C library; raises UnsafeCacheDir, OSError,
     RuntimeError or SubprocessError with the reason."""
-    path = _build(cc, source, stem)
+    path = _build(cc, source, stem, defines)
     if not verified(path):  # replaced between the build and now
         raise RuntimeError(f"{path} does not match its recorded sha256; not loaded")
     return ctypes.CDLL(str(path))
 
 
-def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str | None]:
+def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...],
+                 defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from ``source``, None) or (None, why not): ``FASTMTP_CPU_KERNELS=off``,
     a CPU without one of ``needs``, no C compiler, a refused cache folder or a failed build (the
-    last two logged). Every kernel of this folder loads its C file through here."""
+    last two logged). Every kernel of this folder loads its C file through here; ``defines``
+    (macros) pick one build of a source (``stem`` names it in the cache)."""
     if os.environ.get(ENV, "auto") == "off":
         return None, f"{ENV}=off"
     missing = [f for f in needs if f not in cpu_flags()]
@@ -202,7 +206,7 @@ def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...]) -> tuple[ctype
     if cc is None:
         return None, "no C compiler (gcc) on PATH"
     try:
-        return open_library(cc, source, stem), None
+        return open_library(cc, source, stem, defines), None
     except UnsafeCacheDir as e:
         why = f"refusing the kernel cache: {e}"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
