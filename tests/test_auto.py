@@ -793,6 +793,26 @@ def test_no_probes_where_the_batch_leaves_drafting_no_room():
     assert auto.room(16, head_only=True)
 
 
+def test_room_counts_the_heads_leaves_as_its_price_does():
+    """With leaves (width 3) a head cycle at K=1 verifies 4 tokens; where that costs more than
+    one (AVX-512 without AMX: 17.3 against 13.4 ms) only the leaves' tokens make it pay. room()
+    and the probe's price count them as the chooser does: after one early miss (shared step-1
+    estimate 0.4) the chooser still drafts for a row at the shared estimate, so the room stays
+    open and probes come (before, room() counted the chain alone and shut drafting off for the
+    rest of the process)."""
+    costs = StepCosts({1: 13.38, 2: 15.78, 4: 17.32, 8: 22.5}, draft_step=1.18, extend=0.44)
+    auto = AutoK(costs, 3, width=3, calibrate=False)
+    auto.update(auto.new_estimate(), 1, 0)          # one probe, missed: shared [0.4, 0.5, 0.5]
+    row = auto.new_estimate()
+    assert row[0] == pytest.approx(0.4)
+    assert auto.head_curve(row)[1] / auto.cycle_ms(1, 1) > 1.03 / auto.cycle_ms(0, 1)  # pays with leaves
+    assert auto.best([row]) >= 1
+    assert auto.room(1) and auto.room(1, head_only=True)
+    assert auto.probe_due([row], zero_run=8)
+    auto.shared["head"] = [0.2] * 3                 # a head that bad: no room, no probes
+    assert not auto.room(1) and not auto.probe_due([[0.2] * 3], zero_run=8)
+
+
 def _forced_hybrid(eng, plan, prompts, ref):
     """Replace auto's choice by ``plan``: per cycle "head" (every row drafts with the head),
     "lookup" (every row takes a 3-token proposal whose first 0-3 tokens are the target's own

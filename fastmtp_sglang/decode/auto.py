@@ -450,7 +450,11 @@ class AutoK:
         best = [max(e[j] for e in seen.values()) for j in range(self.kmax)]
         head_steps = all(src == "head" for src in seen)
         plain = (1.0 + self.margin_at(batch)) / self.cycle_ms(0, batch)
-        tokens = expected_curve(best, self.kmax)
+        # with the head among the sources its leaves count too (head_curve), as the head cycle's
+        # price counts their verified tokens: priced with them but counted without, a head with
+        # leaves where verifying more tokens costs more (AVX-512 without AMX: 4 tokens 1.3x one)
+        # found no room after one early miss, and with no room no probe: K=0 for good
+        tokens = self.head_curve(best) if "head" in seen else expected_curve(best, self.kmax)
         return any(tokens[k] / self.cycle_ms(k, batch, head_steps) > plain
                    for k in range(1, self.kmax + 1))
 
@@ -474,7 +478,7 @@ class AutoK:
         if not self.room(B, head_only=True):
             return False
         plain = self.cycle_ms(0, B)
-        e1 = sum(expected_tokens(e, 1) for e in ests) / B
+        e1 = sum(self.head_curve(e)[1] for e in ests) / B  # (with leaves, as the cycle is priced)
         loss = self.cycle_ms(1, B, deferred=deferred, once=self._once_at(once, e1)) - plain * e1
         return loss <= self.probe_budget * zero_run * plain
 
