@@ -154,6 +154,36 @@ def test_refused_tiles_fall_back_to_the_vector_build(amx_cpu, monkeypatch, loads
     assert isinstance(lib, FakeLib) and why is None and loads == [str(path)]
 
 
+def test_tiles_the_os_refuses_fall_back_to_the_vector_build(amx_cpu, monkeypatch, caplog):
+    """The OS refuses AMX tile data (arch_prctl fails: the tiles' library says so at init): the
+    vector build loads, says it has no tiles, and the refusal is logged."""
+    monkeypatch.setenv("CC", "/bin/false")
+    paths = {}
+    for stem, defines in (("amx", ()), ("amx_vector", ("FASTMTP_VECTOR",))):
+        path, _ = loader._library_path("/bin/false", amx.SOURCE, stem, defines)
+        loader.private_dir(path.parent)
+        path.write_bytes(stem.encode())
+        loader._sha_file(path).write_text(hashlib.sha256(stem.encode()).hexdigest() + "\n")
+        paths[stem] = str(path)
+    seen = []
+
+    def cdll(path, *a, **kw):
+        seen.append(str(path))
+        lib = FakeLib()
+        tiles = str(path) == paths["amx"]
+        lib.fastmtp_amx_init = lambda: -1 if tiles else 0
+        lib.fastmtp_has_tiles = lambda: int(tiles)
+        return lib
+
+    monkeypatch.setattr(loader.ctypes, "CDLL", cdll)
+    with caplog.at_level(logging.WARNING, logger="fastmtp_sglang.cpu_kernels.amx"):
+        lib, why = amx._load()
+    assert seen == [paths["amx"], paths["amx_vector"]] and why is None
+    assert isinstance(lib, FakeLib) and lib.has_tiles is False
+    assert any("refused AMX tile data" in r.getMessage() and "AVX-512 build" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_flags_compiler_and_source_are_in_the_key(amx_cpu, monkeypatch):
     monkeypatch.setattr(loader, "_compiler_id", lambda cc: "/usr/bin/gcc\ngcc 12.2.0")
     base, _ = loader._library_path("gcc", amx.SOURCE, "amx")

@@ -13,10 +13,10 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
 - :func:`available`: the kernel is built with the system's C compiler on first use and cached
   (loader.py: a private folder, the sha256 checked before every load). Two builds of one
   source: on AMX tiles, and (``FASTMTP_VECTOR``) on AVX-512 bf16 dot products for CPUs without
-  AMX (AMD EPYC Zen 4 and later, Intel Cooper Lake), also taken where the OS refuses tile data
-  or the tiles' build fails; :func:`tiles` says which runs. The vector build's products are
-  the same pairs in the same order per output (one fp32 chain, VDPBF16PS), up to 8 rows
-  sharing each weight row it reads; it has no tiles for a verify's attention
+  AMX (AMD EPYC Zen 4 and later, Intel Cooper Lake), also taken (and logged) where the OS
+  refuses tile data or the tiles' build fails; :func:`tiles` says which runs. The vector
+  build sums each output as one fp32 chain over its pairs in order (VDPBF16PS; not the tiles'
+  bits: its last bit can differ from theirs), up to 8 rows sharing each weight row it reads; it has no tiles for a verify's attention
   (:func:`takes_multi` is False, PyTorch attends). On the AMX Xeon with AMX masked
   (bench/probes/without_amx.py) the draft step took 1.2 ms against 2.3-2.4 through oneDNN and
   the plain step 14 ms against 24-26 (bench/results/avx512_vector_build/). False, with
@@ -42,6 +42,7 @@ float64 reference over odd shapes, row independence).
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ import torch
 from fastmtp_sglang.cpu_kernels import loader
 from fastmtp_sglang.cpu_kernels.loader import ENV, Once, load_for_cpu
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("amx.c")
 VECTOR_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 NEEDS = ("amx_tile", "amx_bf16", *VECTOR_NEEDS)
@@ -67,7 +69,10 @@ def _load(build: str | None = None) -> tuple[ctypes.CDLL | None, str | None]:
             if lib is not None or why == f"{ENV}=off":
                 return lib, why
             vec, vwhy = _load("vector")  # (AMX refused or failed to build: the vector units)
-            return (vec, None) if vec is not None else (None, f"{why}; {vwhy}")
+            if vec is not None:
+                log.warning("amx: %s; the AVX-512 build of the kernels runs instead", why)
+                return vec, None
+            return None, why if vwhy == why else f"{why}; {vwhy}"
         build = "vector"
     if build == "tiles":
         lib, why = load_for_cpu(SOURCE, "amx", NEEDS)

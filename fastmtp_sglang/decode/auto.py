@@ -439,24 +439,33 @@ class AutoK:
     def room(self, batch: int, head_only: bool = False) -> bool:
         """Could drafting beat K=0 at this batch size for rows as good as the best any draft
         source has been on average (the shared estimates, position by position)? Where it could
-        not, the hybrid engine skips the cycle's proposals (ReferenceEngine._choose). With
-        prompt lookup among the sources, drafting is priced at a cycle without the head (its
-        verify alone), so the bound stays optimistic. ``head_only``: the head's own estimate,
-        priced as a head cycle: the question a probe asks (:meth:`probe_due`)."""
+        not, the hybrid engine skips the cycle's proposals (ReferenceEngine._choose). The head's
+        estimate is asked as a head cycle, its leaves counted and priced; with prompt lookup
+        among the sources, the best of all of them position by position is also asked as a
+        cycle without the head (its verify alone), so the bound stays optimistic.
+        ``head_only``: the head's own estimate alone: the question a probe asks
+        (:meth:`probe_due`)."""
         seen = {src: e for src, e in self.shared.items()
                 if self._seen.get(src) and (src == "head" or not head_only)}
         if not seen:  # nothing observed yet: the prior is no evidence against drafting
             return True
-        best = [max(e[j] for e in seen.values()) for j in range(self.kmax)]
-        head_steps = all(src == "head" for src in seen)
         plain = (1.0 + self.margin_at(batch)) / self.cycle_ms(0, batch)
-        # with the head among the sources its leaves count too (head_curve), as the head cycle's
-        # price counts their verified tokens: priced with them but counted without, a head with
-        # leaves where verifying more tokens costs more (AVX-512 without AMX: 4 tokens 1.3x one)
-        # found no room after one early miss, and with no room no probe: K=0 for good
-        tokens = self.head_curve(best) if "head" in seen else expected_curve(best, self.kmax)
-        return any(tokens[k] / self.cycle_ms(k, batch, head_steps) > plain
-                   for k in range(1, self.kmax + 1))
+        ks = range(1, self.kmax + 1)
+        if "head" in seen:
+            # a head cycle: its leaves' tokens counted as its price counts their verify (priced
+            # with them but counted without, a head with leaves where verifying more tokens costs
+            # more, AVX-512 without AMX: 4 tokens 1.3x one, found no room after one early miss,
+            # and with no room no probe: K=0 for the rest of the process)
+            tokens = self.head_curve(seen["head"])
+            if any(tokens[k] / self.cycle_ms(k, batch, True) > plain for k in ks):
+                return True
+            if len(seen) == 1:
+                return False
+        # the best of every source position by position, as a chain priced at a cycle without
+        # the head (its verify alone): the optimistic bound of a hybrid's cycles
+        best = [max(e[j] for e in seen.values()) for j in range(self.kmax)]
+        tokens = expected_curve(best, self.kmax)
+        return any(tokens[k] / self.cycle_ms(k, batch, False) > plain for k in ks)
 
     def probe_due(self, ests: list[list[float]], zero_run: int, deferred: int = 0,
                   once: float = 0.0) -> bool:

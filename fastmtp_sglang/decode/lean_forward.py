@@ -21,7 +21,8 @@ bench/results/speculation_pays/costs/, design section 6.9).
 On PyTorch's kernels this is **bit-identical** to transformers (tests/test_lean_forward.py:
 hidden states, kept layers and caches, fp32 and bf16, Llama and Qwen2, padding holes). On bf16
 CPUs with AMX (cpu_kernels/amx.py) each elementwise step is one C call with transformers'
-roundings and each product one call on AMX tiles; on bf16 CPUs with AVX-512 a one-token step's
+roundings and each product one call on AMX tiles (on AVX-512 bf16 CPUs without AMX, the same
+calls of the kernels' vector build); on bf16 CPUs with AVX-512 a one-token step's
 attention is one pass over the cache (cpu_kernels/decode_attention.py): the same maths within bf16
 rounding (``FASTMTP_CPU_KERNELS=off`` keeps PyTorch's kernels, bit-identical).
 
@@ -283,7 +284,7 @@ class LeanForward:
 
     def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep, tiles):
         """The same layers with each elementwise step one call of cpu_kernels/amx.py (bf16,
-        AMX CPUs): the residual add fused into the next RMSNorm, rotary embedding in place on
+        AMX CPUs or the vector build on AVX-512 bf16 ones): the residual add fused into the next RMSNorm, rotary embedding in place on
         the q/k/v product, silu(gate) * up in one pass."""
         N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
         L, qk = len(self.layers), (nh + nkv) * D
