@@ -207,6 +207,7 @@ def test_a_failed_build_is_logged_once(amx_cpu, monkeypatch, caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # once per build tried: the tiles', then the vector build it falls back to
     assert [m.split(":")[0] for m in msgs] == ["amx", "amx_vector"], msgs
+    assert msgs[0].endswith("the AVX-512 build is tried next") and msgs[1].endswith("used instead")
     assert all(part in m for part, m in zip(why.split("; "), msgs)), (why, msgs)
 
 

@@ -75,7 +75,7 @@ def _load(build: str | None = None) -> tuple[ctypes.CDLL | None, str | None]:
             return None, why if vwhy == why else f"{why}; {vwhy}"
         build = "vector"
     if build == "tiles":
-        lib, why = load_for_cpu(SOURCE, "amx", NEEDS)
+        lib, why = load_for_cpu(SOURCE, "amx", NEEDS, instead="the AVX-512 build is tried next")
     else:
         lib, why = load_for_cpu(SOURCE, "amx_vector", VECTOR_NEEDS, ("FASTMTP_VECTOR",))
     if lib is None:

@@ -191,12 +191,13 @@ def open_library(cc: str, source: Path, stem: str, defines: tuple[str, ...] = ()
     return ctypes.CDLL(str(path))
 
 
-def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...],
-                 defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...], defines: tuple[str, ...] = (),
+                 instead: str = "PyTorch's kernels are used instead") -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from ``source``, None) or (None, why not): ``FASTMTP_CPU_KERNELS=off``,
     a CPU without one of ``needs``, no C compiler, a refused cache folder or a failed build (the
-    last two logged). Every kernel of this folder loads its C file through here; ``defines``
-    (macros) pick one build of a source (``stem`` names it in the cache)."""
+    last two logged, with ``instead``: what runs in its place). Every kernel of this folder
+    loads its C file through here; ``defines`` (macros) pick one build of a source (``stem``
+    names it in the cache)."""
     if os.environ.get(ENV, "auto") == "off":
         return None, f"{ENV}=off"
     missing = [f for f in needs if f not in cpu_flags()]
@@ -211,7 +212,7 @@ def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...],
         why = f"refusing the kernel cache: {e}"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         why = f"building the kernel failed: {e}"
-    log.warning("%s: %s; PyTorch's kernels are used instead", stem, why)
+    log.warning("%s: %s; %s", stem, why, instead)
     return None, why
 
 
