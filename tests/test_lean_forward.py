@@ -143,7 +143,8 @@ def test_bf16_decode_attention_kernel_within_rounding_of_transformers(kind, monk
             assert (model.lm_head(ha).argmax(-1) == model.lm_head(hb).argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.skipif(not amx.tiles(), reason=f"AMX tiles: {amx.unavailable_reason() or 'the AVX-512 build has none'}")
+@pytest.mark.skipif(not amx.tiles(), reason="AMX tiles: "
+                                   + (amx.unavailable_reason() or "the AVX-512 build has none"))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_verify_attention_on_tiles_within_rounding(kind, monkeypatch):
     """Verifies of several tokens a row (a chain, then a chain with leaves under a tree mask) at

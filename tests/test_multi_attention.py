@@ -13,7 +13,8 @@ import torch
 from fastmtp_sglang.core.attention import fold_mask, grouped_attention
 from fastmtp_sglang.cpu_kernels import amx
 
-needs_kernels = pytest.mark.skipif(not amx.tiles(), reason=f"AMX tiles: {amx.unavailable_reason() or 'the AVX-512 build has none'}")
+needs_kernels = pytest.mark.skipif(not amx.tiles(), reason="AMX tiles: "
+                                   + (amx.unavailable_reason() or "the AVX-512 build has none"))
 bf = torch.bfloat16
 
 

@@ -32,7 +32,8 @@ def main() -> None:
     cpu = cpu_description()
     print(f"cpu: {cpu['model']}, flags {' '.join(cpu['flags'])}, {cpu['threads']} threads")
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in ((3072, 576), (576, 1536), (960, 576))]
+    shapes = ((3072, 576), (576, 1536), (960, 576))  # gate/up, down, q/k/v
+    ws = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in shapes]
     packed = [amx.pack(w) for w in ws]
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), pl._HINT) for w in ws]
     for M in (1, 2, 4, 8, 9, 16, 64, 256):

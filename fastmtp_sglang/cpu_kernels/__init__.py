@@ -2,9 +2,8 @@
 prepared weights.
 
 Owns: ``loader`` (builds and loads the C files of this folder: the private kernel cache, the
-sha256 check, ``FASTMTP_CPU_KERNELS=off``), ``amx`` (+ ``amx.c``, built on AMX tiles or, without AMX, on AVX-512 bf16 dot products:
-the small-rows bf16 linear,
-its argmax without the products, the fused elementwise steps of a bf16 decoder layer, a
+sha256 check, ``FASTMTP_CPU_KERNELS=off``), ``amx`` (+ ``amx.c``, built on AMX tiles or,
+without AMX, on AVX-512 bf16 dot products: the small-rows bf16 linear, its argmax without the products, the fused elementwise steps of a bf16 decoder layer, a
 Llama-block head's whole draft step or short extend in one call, and a verify's attention of a
 few tokens a row on tiles), ``decode_attention`` (+
 ``decode_attention.c``: one new token per row over a bf16 cache in one pass, AVX-512),

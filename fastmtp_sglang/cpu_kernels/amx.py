@@ -16,8 +16,8 @@ products in 8.5-9.6 ms at 1-16 rows against oneDNN's 11.2-12.1, level at 64 rows
   AMX (AMD EPYC Zen 4 and later, Intel Cooper Lake), also taken (and logged) where the OS
   refuses tile data or the tiles' build fails; :func:`tiles` says which runs. The vector
   build sums each output as one fp32 chain over its pairs in order (VDPBF16PS; not the tiles'
-  bits: its last bit can differ from theirs), up to 8 rows sharing each weight row it reads; it has no tiles for a verify's attention
-  (:func:`takes_multi` is False, PyTorch attends). On the AMX Xeon with AMX masked
+  bits: its last bit can differ from theirs), up to 8 rows sharing each weight row it reads;
+  it has no tiles for a verify's attention (:func:`takes_multi` is False, PyTorch attends). On the AMX Xeon with AMX masked
   (bench/probes/without_amx.py) the draft step took 1.2 ms against 2.3-2.4 through oneDNN and
   the plain step 14 ms against 24-26 (bench/results/avx512_vector_build/). False, with
   :func:`unavailable_reason` (a build failure or a refused folder is also logged, once), on a

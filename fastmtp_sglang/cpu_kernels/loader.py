@@ -192,7 +192,8 @@ def open_library(cc: str, source: Path, stem: str, defines: tuple[str, ...] = ()
 
 
 def load_for_cpu(source: Path, stem: str, needs: tuple[str, ...], defines: tuple[str, ...] = (),
-                 instead: str = "PyTorch's kernels are used instead") -> tuple[ctypes.CDLL | None, str | None]:
+                 instead: str = "PyTorch's kernels are used instead",
+                 ) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from ``source``, None) or (None, why not): ``FASTMTP_CPU_KERNELS=off``,
     a CPU without one of ``needs``, no C compiler, a refused cache folder or a failed build (the
     last two logged, with ``instead``: what runs in its place). Every kernel of this folder

@@ -27,8 +27,8 @@ Where amx.py's kernels load (AMX tiles, or their vector build on AVX-512 bf16 CP
 AMX) the prepared copy is laid out in tiles for amx.py instead of oneDNN's layout
 (``amx.available()`` says which): on AMX the same products 1.2-1.4x faster at 1-16 rows, level
 at 64, slower from 128 rows (bench/results/cpu_kernels_probe/); the vector build 1.1-1.4x faster
-than oneDNN's at 1-64 rows, 0.89x at 256 (bench/results/avx512_vector_build/). Its sums run in another order than oneDNN's, so the last bit of an output may differ from
-``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
+than oneDNN's at 1-64 rows, 0.89x at 256 (bench/results/avx512_vector_build/). Its sums run in
+another order than oneDNN's, so the last bit of an output may differ from ``F.linear``'s (the tests compare within bf16 rounding there); every row's result is
 independent of the other rows, and a fused product equals the separate ones exactly.
 """
 

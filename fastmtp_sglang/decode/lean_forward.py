@@ -284,8 +284,9 @@ class LeanForward:
 
     def _bf16_kernels(self, x, cos, sin, amask, cache, B, S, keep, tiles):
         """The same layers with each elementwise step one call of cpu_kernels/amx.py (bf16,
-        AMX CPUs or the vector build on AVX-512 bf16 ones): the residual add fused into the next RMSNorm, rotary embedding in place on
-        the q/k/v product, silu(gate) * up in one pass."""
+        AMX CPUs, or the vector build on AVX-512 bf16 ones): the residual add fused into the
+        next RMSNorm, rotary embedding in place on the q/k/v product, silu(gate) * up in one
+        pass."""
         N, nh, nkv, D = B * S, self.n_heads, self.n_kv, self.head_dim
         L, qk = len(self.layers), (nh + nkv) * D
         hs = ({0: x.view(B, S, -1).clone()} if 0 in keep else {}) if keep else None
